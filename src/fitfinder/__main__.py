@@ -1,0 +1,3 @@
+from fitfinder.cli import main
+
+main()

@@ -1,0 +1,25 @@
+"""Imported once by the probe forkserver, so that every probe forked from it starts warm.
+
+Only imports: no tensor is made and no GPU is touched here, which keeps forking safe.
+Library banners printed while importing (bitsandbytes has one) go to /dev/null.
+"""
+
+import os
+
+_stderr = os.dup(2)
+_null = os.open(os.devnull, os.O_WRONLY)
+os.dup2(_null, 2)
+try:
+    import torch  # noqa: F401
+    import diffusers  # noqa: F401
+    from diffusers import FluxTransformer2DModel  # noqa: F401
+    import peft  # noqa: F401
+
+    import fitfinder.meter  # noqa: F401
+    import fitfinder.models  # noqa: F401
+    import fitfinder.oom  # noqa: F401
+    import fitfinder.probe  # noqa: F401
+finally:
+    os.dup2(_stderr, 2)
+    os.close(_null)
+    os.close(_stderr)
