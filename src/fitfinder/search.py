@@ -259,9 +259,24 @@ def run(job, options: SearchOptions, out) -> SearchSummary:
             probes_run += 1
             out.line(_trial_line(space, result, budget))
             out.advance()
+            _stop_if_probes_keep_failing(known, log_dir)
             point = plan(space, known)
     proven = point is None
     return _finish(job, space, study, known, options, settings, url, probes_run, proven, budget, limit, out)
+
+
+MAX_ERRORS_IN_A_ROW = 5
+
+
+def _stop_if_probes_keep_failing(known: Knowledge, log_dir) -> None:
+    """Errors are not OOMs: when every recent probe fails with one, the job itself is broken."""
+    from fitfinder.errors import RunFailed
+
+    recent = known.results[-MAX_ERRORS_IN_A_ROW:]
+    if len(recent) == MAX_ERRORS_IN_A_ROW and all(r.status in ("error", "timeout") for r in recent):
+        last = recent[-1]
+        raise RunFailed(f"the last {MAX_ERRORS_IN_A_ROW} probes failed with errors, not out of memory: "
+                        f"{(last.error or '').splitlines()[0][:300]}; see {log_dir}/trial-{last.trial:04d}.log")
 
 
 def _result(trial: int, point: Point, outcome: dict[str, Any]) -> Result:

@@ -1,0 +1,88 @@
+"""The probe: a real tiny Flux + peft LoRA, metered; the one-line protocol; crashes and hangs."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fitfinder import jobconfig, probe
+from tests.conftest import DEMO, cli_env
+
+MiB = 2**20
+
+
+def _request(budget=None, steps=4, **changes):
+    job = jobconfig.load(DEMO)
+    for path, value in changes.items():
+        job.set(path.replace("__", "."), value)
+    return probe.request_for(job, steps, "sim", budget)
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return probe.ProbeRunner(timeout_s=120)
+
+
+def test_module_entry_prints_exactly_one_json_line():
+    request = _request(steps=3)
+    done = subprocess.run([sys.executable, "-m", "fitfinder.probe"], input=json.dumps(request),
+                          capture_output=True, text=True, env=cli_env(), timeout=300)
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1, done.stdout
+    result = json.loads(lines[0])
+    assert result["status"] == "ok" and result["steps_run"] == 3
+    assert set(result["phases"]) == {"load", "train"}
+    assert result["phases"]["train"] > result["phases"]["load"] > 0
+    assert result["peak_bytes"] == result["phases"]["train"]
+
+
+def test_budget_under_the_load_peak_fails_in_load(runner):
+    result = runner.run(_request(budget=200 * 1024))
+    assert result["status"] == "oom" and result["phase"] == "load"
+    assert "out of memory" in result["error"]
+
+
+def test_budget_between_load_and_train_fails_in_train(runner):
+    free = runner.run(_request())
+    budget = (free["phases"]["load"] + free["phases"]["train"]) // 2
+    result = runner.run(_request(budget=budget))
+    assert result["status"] == "oom" and result["phase"] == "train" and result["oom_kind"] == "config"
+
+
+def test_peaks_are_exact_and_repeatable(runner):
+    first, second = runner.run(_request()), runner.run(_request())
+    assert first["phases"] == second["phases"]
+
+
+def test_train_peak_grows_with_batch_and_shrinks_with_checkpointing(runner):
+    base = runner.run(_request(train__batch_size=1, train__gradient_checkpointing=False))["phases"]["train"]
+    bigger = runner.run(_request(train__batch_size=2, train__gradient_checkpointing=False))["phases"]["train"]
+    checkpointed = runner.run(_request(train__batch_size=1, train__gradient_checkpointing=True))["phases"]["train"]
+    assert bigger > base > checkpointed
+
+
+@pytest.mark.parametrize("fault, status, reason", [
+    ("abort", "error", "killed by SIGABRT"),
+    ("silent", "error", "exited with code 0 without a result line"),
+])
+def test_a_crashed_probe_is_a_result_with_its_reason(runner, fault, status, reason):
+    request = _request()
+    request["fault"] = fault
+    result = runner.run(request)
+    assert result["status"] == status and reason in result["error"]
+
+
+def test_a_hung_probe_is_killed_at_its_timeout():
+    request = _request()
+    request["fault"] = "hang"
+    result = probe.ProbeRunner(timeout_s=3).run(request)
+    assert result["status"] == "timeout" and "3 s timeout" in result["error"]
+    assert result["wall_seconds"] < 30
+
+
+def test_bucket_schedule_puts_the_largest_first_middle_and_last():
+    schedule = probe.bucket_schedule([256, 384, 512], 20)
+    assert len(schedule) == 20
+    assert schedule[0] == schedule[10] == schedule[19] == 512
+    assert set(schedule) == {256, 384, 512}
