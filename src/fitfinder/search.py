@@ -337,3 +337,31 @@ def _faults_from_env() -> dict[int, str]:
         number, _, fault = item.partition(":")
         faults[int(number)] = fault
     return faults
+
+
+# -- explanation -----------------------------------------------------------------------------
+def explain(space: Space, known: Knowledge, winner: Point) -> list[dict[str, Any]]:
+    """Knob by knob: desired, chosen, kept / given up / gone past, and the trial that forced it.
+
+    A quality knob below its desired value was forced down by the result that rules out the next
+    level up (with every knob after it at its lightest, so nothing else is to blame); a speed
+    knob lighter than desired, by the result that rules out the next heavier step at the winner.
+    """
+    rows = []
+    light = {k.name: k.candidates[0] for k in space.knobs}
+    for index, knob in enumerate(space.knobs):
+        chosen, desired = winner[knob.name], knob.desired
+        level, wanted = knob.level(chosen), knob.level(desired)
+        verdict = "kept" if level == wanted else ("given up" if level < wanted else "gone past")
+        forced_by = None
+        if level < wanted and level + 1 < len(knob.candidates):
+            if knob.role == "quality":
+                later = {k.name: light[k.name] for k in space.knobs[index + 1:]}
+                probe_point = {**winner, **later, knob.name: knob.candidates[level + 1]}
+            else:
+                probe_point = {**winner, knob.name: knob.candidates[level + 1]}
+            state, result = known.decider(probe_point)
+            forced_by = result.trial if state == NOFIT and result is not None else None
+        rows.append({"knob": knob.name, "role": knob.role, "desired": desired, "chosen": chosen,
+                     "verdict": verdict, "forced_by": forced_by})
+    return rows
