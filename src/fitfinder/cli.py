@@ -83,6 +83,10 @@ def search(
                   f"peaked at {format_bytes(lightest.peak_bytes)}" if lightest else "")
         raise RunFailed(f"nothing fits in {format_bytes(summary.budget_bytes)}{detail}; "
                         "try a larger --vram, or lighter candidates in the `fitfinder:` section")
+    rows = [[row["knob"], space_.by_name[row["knob"]].label(row["desired"]),
+             space_.by_name[row["knob"]].label(row["chosen"]), row["verdict"],
+             "" if row["forced_by"] is None else f"trial {row['forced_by']}"] for row in summary.explanation]
+    out.table(["knob", "desired", "chosen", "", "forced by"], rows)
     out.line(f"best: {space_.describe(summary.best_point)}  peak {format_bytes(summary.best.peak_bytes)} "
              f"of {format_bytes(summary.budget_bytes)}  ({summary.probes_run} probes"
              f"{'' if summary.proven else ', not proven: trial cap reached'})")

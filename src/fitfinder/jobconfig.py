@@ -53,7 +53,7 @@ AITK_DEFAULTS: dict[str, Any] = {
 # The knobs the search may turn, by name; `fitfinder: candidates:` overrides their values.
 KNOB_NAMES = (
     "buckets", "frames", "rank", "batch", "gradient_checkpointing", "quantize", "low_vram",
-    "text_encoder", "optimizer", "sample_size", "sample_frames", "sample_steps", "sampling",
+    "text_encoder", "optimizer", "sample_size", "sample_frames", "sampling",
 )
 
 DTYPES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16",

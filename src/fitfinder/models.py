@@ -50,6 +50,15 @@ def family_of(job) -> str:
     )
 
 
+VIDEO_FAMILIES = ("wan",)
+
+
+def is_video(job) -> bool:
+    """Video jobs have a frames knob: a video family, or any dataset with more than one frame."""
+    frames = [int(f) for f in job.get("datasets[*].num_frames")]
+    return family_of(job).startswith(VIDEO_FAMILIES) or any(f > 1 for f in frames)
+
+
 def model_spec(job) -> dict[str, Any]:
     """What a probe needs to build the job's model: family, architecture, where the weights are."""
     family = family_of(job)

@@ -3,17 +3,26 @@
 The plan is a pure function of what the study already knows, so rerunning the same command
 resumes where it stopped, and every decision can be explained by the trials behind it:
 
-1. Trial 0 is the base file as written (the desired point).
-2. Quality, knob by knob in priority order: first the optimistic point (every remaining quality
-   knob as desired, every speed knob at its lightest); if it does not fit, bisect the knob
-   between the highest level known to fit and the lowest known not to, with the knobs after it
-   at their lightest. Memory is monotone in every knob, so a point at least as heavy as one
-   that failed fails, and one at most as heavy as one that fit fits: such points are never
-   probed. This finds the lexicographic optimum exactly.
-3. Speed, at the best quality: for each setting of the other speed knobs (checkpointing off
-   first), the batch is raised one step at a time while it fits; each maximal point is probed
-   once for its seconds per sample, unless a heavier point that fits makes it slower for sure.
-   The fastest wins.
+1. Base: trial 0 is the job file as written (the desired point).
+2. Rollback: while the last probe ran out of memory, its phase picks the next move, in the
+   seeds' order: load -> offload, cached text embeddings, then base quantization; sample ->
+   sampling off; latents and train -> checkpointing on and batch 1. Each move keeps the ones
+   before it, and the walk stops at the first fit or when the phase has nothing left to give.
+3. Quality, knob by knob in priority order: first the optimistic point (every remaining quality
+   knob as desired, every speed knob at its lightest); if it does not fit, the knob's desired
+   value with every later knob at its lightest, then bisection between the highest level known
+   to fit and the lowest known not to. This finds the lexicographic optimum exactly.
+4. Speed, at the best quality: escalation one knob at a time in the seeds' order (checkpointing
+   off, a larger batch, offload off), for each setting of the switches; each maximal point is
+   probed once for its seconds per sample, unless a heavier point that fits makes it slower for
+   sure. The fastest wins.
+5. Confirmation: the winner is probed again for longer (3x the steps); if that fails, the plan
+   goes on from what it learned and confirms the next best.
+
+Dominance: memory is monotone in every knob, so a point at least as heavy as one that ran out of
+memory in a phase -- on the knobs that phase depends on -- fails too, and a point at most as
+heavy as one that fit fits too. Such points are never probed; the ones the plan would have
+probed are recorded as decided, with the trial that decided them.
 """
 
 from __future__ import annotations
@@ -23,9 +32,19 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from fitfinder.space import Point, Space
+from fitfinder.space import PHASES, Point, Space
 
 FIT, NOFIT = "fit", "nofit"
+CONFIRM_FACTOR = 3  # a confirmation probe runs this many times the probe steps
+# The seeds' rollback moves: the knobs to lighten when a probe runs out of memory in a phase.
+ROLLBACK = {
+    "load": (("low_vram", "text_encoder"), ("quantize",)),
+    "text_encoder": (("text_encoder", "low_vram"), ("quantize",)),
+    "latents": (("batch",),),
+    "sample": (("sampling",),),
+    "last_sample": (("sampling",),),
+    "train": (("gradient_checkpointing", "batch"),),
+}
 
 
 @dataclass
@@ -37,10 +56,23 @@ class Result:
     status: str  # ok | oom | error | timeout
     peak_bytes: int | None = None
     seconds_per_sample: float | None = None
-    phase: str | None = None
+    phase: str | None = None  # the phase that ran out of memory
     error: str | None = None
+    phases: dict[str, int] = field(default_factory=dict)  # phase -> peak bytes
+    confirm: bool = False
     verdict: str | None = None  # FIT, NOFIT, or None (an error says nothing about memory)
+    failed_phases: tuple = ()  # phases over the limit; () with NOFIT means "unknown: all"
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Step:
+    """The plan's answer: a point to probe (or None: done) and what it decided without probing."""
+
+    point: Point | None
+    purpose: str = ""  # base | rollback | quality | speed | confirm
+    steps_factor: int = 1
+    decided: list[tuple[Point, Result]] = field(default_factory=list)
 
 
 class Knowledge:
@@ -53,19 +85,22 @@ class Knowledge:
         self._by_key: dict[tuple, list[Result]] = {}
 
     def add(self, result: Result) -> Result:
-        result.verdict = self.verdict_of(result.status, result.peak_bytes)
+        result.verdict, result.failed_phases = self._judge(result)
         self.results.append(result)
         self._by_key.setdefault(self.space.key(result.point), []).append(result)
         return result
 
-    def verdict_of(self, status: str, peak_bytes: int | None) -> str | None:
+    def _judge(self, result: Result) -> tuple[str | None, tuple]:
         """ok under the limit fits; an OOM, or ok over the limit (inside the margin), does not."""
-        if status == "oom":
-            return NOFIT
-        if status == "ok":
-            over = self.limit_bytes is not None and peak_bytes is not None and peak_bytes > self.limit_bytes
-            return NOFIT if over else FIT
-        return None
+        if result.status == "oom":
+            return NOFIT, (result.phase,) if result.phase in PHASES else ()
+        if result.status != "ok":
+            return None, ()
+        limit = self.limit_bytes
+        if limit is None or result.peak_bytes is None or result.peak_bytes <= limit:
+            return FIT, ()
+        over = tuple(p for p, peak in result.phases.items() if peak > limit and p in PHASES)
+        return NOFIT, over
 
     def probed(self, point: Point) -> list[Result]:
         return self._by_key.get(self.space.key(point), [])
@@ -78,65 +113,125 @@ class Knowledge:
         """The state of `point` and the result that decides it. Failure wins over fit."""
         own = self.probed(point)
         for result in own:
-            if result.verdict == NOFIT or result.verdict is None:
+            if result.verdict != FIT:
                 return NOFIT, result
-        heavier = self.space.heavier_or_equal
         for result in self.results:
-            if result.verdict == NOFIT and heavier(point, result.point):
+            if result.verdict == NOFIT and self._fails_like(point, result):
                 return NOFIT, result
         for result in own:
-            if result.verdict == FIT:
-                return FIT, result
+            return FIT, result
         for result in self.results:
-            if result.verdict == FIT and heavier(result.point, point):
+            if result.verdict == FIT and self.space.heavier_or_equal(result.point, point):
                 return FIT, result
         return None, None
+
+    def _fails_like(self, point: Point, failed: Result) -> bool:
+        """At least as heavy as `failed` on every knob one of its failing phases depends on."""
+        heavier = self.space.heavier_or_equal
+        if not failed.failed_phases:
+            return heavier(point, failed.point)
+        return any(heavier(point, failed.point, phase) for phase in failed.failed_phases)
 
     def fits(self) -> list[Result]:
         return [r for r in self.results if r.verdict == FIT and self.state(r.point) == FIT]
 
+    def confirmed(self, point: Point) -> bool:
+        return any(r.confirm and r.verdict == FIT for r in self.probed(point))
+
 
 # -- the plan ----------------------------------------------------------------------------------
-def plan(space: Space, known: Knowledge) -> Point | None:
-    """The next point to probe, or None when the best point is proven (or nothing fits)."""
+def plan(space: Space, known: Knowledge) -> Step:
+    """The next point to probe, or Step(None) when the best point is confirmed (or nothing fits)."""
+    decided: list[tuple[Point, Result]] = []
     desired = space.desired()
     if not known.probed(desired):
-        return desired
-    probe, quality = _quality_stage(space, known)
-    if probe is not None or quality is None:
-        return probe
-    return _speed_stage(space, known, quality)
+        return Step(desired, "base")
+    for purpose, stage in (("rollback", _rollback), ("quality", _quality_stage)):
+        point = stage(space, known, decided)
+        if point is not None:
+            return Step(point, purpose, decided=decided)
+    quality = _best_quality(space, known)
+    if quality is not None:
+        point = _speed_stage(space, known, quality, decided)
+        if point is not None:
+            return Step(point, "speed", decided=decided)
+    winner = best(space, known)
+    if winner is not None and not known.confirmed(winner.point):
+        return Step(winner.point, "confirm", CONFIRM_FACTOR, decided)
+    return Step(None, decided=decided)
+
+
+def _consider(known: Knowledge, point: Point, decided: list) -> str | None:
+    """The state of a point the plan would probe; a failure decided without probing is noted."""
+    state, result = known.decider(point)
+    if state == NOFIT and result is not None and known.space.key(result.point) != known.space.key(point):
+        decided.append((point, result))
+    return state
+
+
+def _rollback(space: Space, known: Knowledge, decided: list) -> Point | None:
+    """The seeds' walk from the base: lighten what the failing phase needs, until something fits."""
+    point = space.desired()
+    while True:
+        state, failing = known.decider(point)
+        if state is None:
+            return point
+        if state == FIT or failing.verdict != NOFIT or not failing.failed_phases:
+            return None  # a fit, an error, or no phase to go on: the quality stage takes over
+        lighter = _lighten(space, point, failing.failed_phases[0])
+        if lighter is None:
+            return None
+        point = lighter
+        if _consider(known, point, decided) is None:
+            return point
+
+
+def _lighten(space: Space, point: Point, phase: str) -> Point | None:
+    """The first move of the seeds' order for `phase` that still changes `point`, or None."""
+    for move in ROLLBACK.get(phase, ()):
+        knobs = [space.by_name[name] for name in move if name in space.by_name]
+        lighter = {**point, **{k.name: k.candidates[0] for k in knobs}}
+        if lighter != point:
+            return lighter
+    return None
 
 
 def _lightest_speed(space: Space) -> Point:
     return {k.name: k.candidates[0] for k in space.speed_knobs}
 
 
-def _quality_stage(space: Space, known: Knowledge) -> tuple[Point | None, Point | None]:
-    """(point to probe, None), or (None, best quality values), or (None, None) if nothing fits."""
+def _quality_stage(space: Space, known: Knowledge, decided: list) -> Point | None:
+    """The next probe towards the best quality, or None once it is known (or nothing fits)."""
     light = _lightest_speed(space)
     quality = space.quality_knobs
     fixed: Point = {}
     for i, knob in enumerate(quality):
-        rest = quality[i:]
-        optimistic = {**fixed, **{k.name: k.desired for k in rest}, **light}
-        state = known.state(optimistic)
+        optimistic = {**fixed, **{k.name: k.desired for k in quality[i:]}, **light}
+        state = _consider(known, optimistic, decided)
         if state is None:
-            return optimistic, None
+            return optimistic
         if state == FIT:
-            return None, {**fixed, **{k.name: k.desired for k in rest}}
+            return None
         lower = {k.name: k.candidates[0] for k in quality[i + 1:]}
         top = knob.level(knob.desired)
         lo, hi = _bounds(known, lambda level: {**fixed, knob.name: knob.candidates[level], **lower, **light}, top)
         if hi - lo > 1:
-            # The desired value with everything after it at its lightest first: the knobs after
-            # this one are what usually broke the optimistic point. Then bisect, leaning high.
+            # The desired value with every later knob at its lightest first: the later knobs are
+            # what usually broke the optimistic point. Then bisect, leaning high.
             level = top if hi > top else (lo + hi + 1) // 2
-            return {**fixed, knob.name: knob.candidates[level], **lower, **light}, None
+            return {**fixed, knob.name: knob.candidates[level], **lower, **light}
         if lo < 0:
-            return None, None  # not even the lightest value of the first knob fits
+            return None  # not even the lightest value fits after the fixed ones
         fixed[knob.name] = knob.candidates[lo]
-    return None, fixed
+    return None
+
+
+def _best_quality(space: Space, known: Knowledge) -> Point | None:
+    """The quality values of the best point known to fit (the quality stage has settled)."""
+    winner = best(space, known)
+    if winner is None:
+        return None
+    return {k.name: winner.point[k.name] for k in space.quality_knobs}
 
 
 def _bounds(known: Knowledge, line, top: int) -> tuple[int, int]:
@@ -147,28 +242,39 @@ def _bounds(known: Knowledge, line, top: int) -> tuple[int, int]:
     return lo, hi
 
 
-def _speed_stage(space: Space, known: Knowledge, quality: Point) -> Point | None:
-    """Probe the largest batch that fits for each setting of the other speed knobs."""
+def _speed_stage(space: Space, known: Knowledge, quality: Point, decided: list) -> Point | None:
+    """Escalate the speed knobs at the best quality; probe each maximal point for its speed."""
     speed = space.speed_knobs
     if not speed:
         return None
-    chain = max(speed, key=lambda k: len(k.candidates))  # the knob worth bisecting: batch
-    others = [k for k in speed if k is not chain]
+    chain = max(speed, key=lambda k: len(k.candidates))  # the knob worth climbing: batch
+    switches = [k for k in speed if k is not chain]
     maximal: list[Point] = []
-    combos = itertools.product(*(reversed(k.candidates) for k in others))  # heaviest first
-    for combo in combos:
-        setting = {**quality, **dict(zip((k.name for k in others), combo))}
-        line = lambda level, s=setting: {**s, chain.name: chain.candidates[level]}  # noqa: E731
+    for setting in _switch_settings(switches):
+        base = {**quality, **setting}
+        line = lambda level, s=base: {**s, chain.name: chain.candidates[level]}  # noqa: E731
         lo, hi = _bounds(known, line, len(chain.candidates) - 1)
         if hi - lo > 1:
-            return line(lo + 1)  # escalate one step at a time, as the seeds do: chains are short
-        if lo >= 0:
+            step = line(lo + 1)  # one step at a time, as the seeds escalate
+            if _consider(known, step, decided) is None:
+                return step
+        elif lo >= 0:
             maximal.append(line(lo))
     for point in maximal:
         surely_slower = any(other != point and space.heavier_or_equal(other, point) for other in maximal)
         if not surely_slower and not any(r.verdict == FIT for r in known.probed(point)):
             return point  # fits by dominance, but its speed is not measured yet
     return None
+
+
+def _switch_settings(switches: list) -> list[Point]:
+    """Settings of the on/off speed knobs: the lightest first, then one raised at a time in
+    escalation order, then two, ...: never two risky changes before each alone."""
+    settings = []
+    for levels in itertools.product(*(range(len(k.candidates)) for k in switches)):
+        settings.append((sum(levels), [-lvl for lvl in levels],
+                         {k.name: k.candidates[lvl] for k, lvl in zip(switches, levels)}))
+    return [s for *_, s in sorted(settings, key=lambda t: (t[0], t[1]))]
 
 
 def best(space: Space, known: Knowledge) -> Result | None:
@@ -205,6 +311,7 @@ class SearchSummary:
     limit_bytes: int | None
     space: Space | None = None
     lightest: Result | None = None
+    explanation: list[dict[str, Any]] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -214,15 +321,36 @@ class SearchSummary:
             "peak_bytes": self.best.peak_bytes if self.best else None,
             "seconds_per_sample": self.best.seconds_per_sample if self.best else None,
             "budget_bytes": self.budget_bytes, "limit_bytes": self.limit_bytes,
+            "explanation": self.explanation,
         }
 
 
+def drive(space: Space, known: Knowledge, probe_step, probes_run: int, max_probes: int,
+          on_decided=None) -> tuple[bool, int]:
+    """Plan, probe, learn until the plan is done or `max_probes` probes exist.
+
+    `probe_step(step)` runs one probe and adds its Result to `known`; `on_decided(point,
+    result)` hears of each point decided without a probe. Returns (whether the plan finished,
+    the number of probes run so far).
+    """
+    while True:
+        step = plan(space, known)
+        for point, decider in step.decided:
+            if on_decided is not None:
+                on_decided(point, decider)
+        if step.point is None:
+            return True, probes_run
+        if probes_run >= max_probes:
+            return False, probes_run
+        probe_step(step)
+        probes_run += 1
+
+
 def run(job, options: SearchOptions, out) -> SearchSummary:
-    """Probe planned points until the best is proven or the trial cap is reached; export it."""
+    """Probe planned points until the best is confirmed or the trial cap is reached; export it."""
     from pathlib import Path
 
     from fitfinder import probe, space as spaces, study as studies
-    from fitfinder.output import usage_bar
 
     settings = job.settings
     space = spaces.build(job)
@@ -233,59 +361,67 @@ def run(job, options: SearchOptions, out) -> SearchSummary:
                                {"budget_bytes": budget, "margin": settings.margin, "meter": options.meter,
                                 "job_file": str(job.source)})
     known = studies.load_knowledge(study, space, limit, fail_running=True)
-    probes_run = sum(1 for r in known.results)
     out.note(f"study {options.study_name} ({url}): {len(space.knobs)} knobs, {space.size()} points, "
-             f"{probes_run} trials already known; budget {usage_bar(None, None) if not budget else _fmt(budget)}, "
-             f"limit {_fmt(limit) if limit else '-'} after the {settings.margin:.0%} margin")
+             f"{len(known.results)} trials already known; budget {_fmt(budget)}, "
+             f"limit {_fmt(limit)} after the {settings.margin:.0%} margin")
     log_dir = Path(options.results_dir) / options.study_name / "probes"
     log_dir.mkdir(parents=True, exist_ok=True)
     runner = probe.ProbeRunner(timeout_s=settings.probe_timeout)
     faults = _faults_from_env()
-    point = plan(space, known)
+    recorded = studies.decided_keys(study, space)
+
+    def probe_step(step: Step) -> Result:
+        trial = studies.ask(study, space, step.point, step.purpose)
+        steps = settings.probe_steps * step.steps_factor
+        request = probe.request_for(space.apply(job, step.point), steps, options.meter, budget, options.gpu)
+        if trial.number in faults:
+            request["fault"] = faults[trial.number]
+        try:
+            outcome = runner.run(request, log_dir / f"trial-{trial.number:04d}.log")
+        except KeyboardInterrupt:
+            study.tell(trial, state=studies.fail_state(), skip_if_finished=True)
+            raise
+        result = known.add(result_from_probe(trial.number, step, outcome))
+        studies.record(study, trial, space, result, outcome, limit, step.purpose)
+        out.line(_trial_line(space, result, budget, step.purpose))
+        out.advance()
+        _stop_if_probes_keep_failing(known.results, log_dir)
+        return result
+
+    def on_decided(point: Point, decider: Result) -> None:
+        if space.key(point) not in recorded:
+            recorded.add(space.key(point))
+            studies.record_decided(study, space, point, decider)
+
     with out.progress(settings.trials, "probing"):
-        while point is not None and probes_run < settings.trials:
-            trial = studies.ask(study, space, point)
-            request = probe.request_for(space.apply(job, point), settings.probe_steps, options.meter, budget,
-                                        options.gpu)
-            if trial.number in faults:
-                request["fault"] = faults[trial.number]
-            try:
-                outcome = runner.run(request, log_dir / f"trial-{trial.number:04d}.log")
-            except KeyboardInterrupt:
-                study.tell(trial, state=studies._fail_state(), skip_if_finished=True)
-                raise
-            result = known.add(_result(trial.number, point, outcome))
-            studies.record(study, trial, space, result, outcome, limit)
-            probes_run += 1
-            out.line(_trial_line(space, result, budget))
-            out.advance()
-            _stop_if_probes_keep_failing(known, log_dir)
-            point = plan(space, known)
-    proven = point is None
+        proven, probes_run = drive(space, known, probe_step, len(known.results), settings.trials, on_decided)
     return _finish(job, space, study, known, options, settings, url, probes_run, proven, budget, limit, out)
 
 
 MAX_ERRORS_IN_A_ROW = 5
 
 
-def _stop_if_probes_keep_failing(known: Knowledge, log_dir) -> None:
+def _stop_if_probes_keep_failing(results: list[Result], log_dir) -> None:
     """Errors are not OOMs: when every recent probe fails with one, the job itself is broken."""
     from fitfinder.errors import RunFailed
 
-    recent = known.results[-MAX_ERRORS_IN_A_ROW:]
+    recent = results[-MAX_ERRORS_IN_A_ROW:]
     if len(recent) == MAX_ERRORS_IN_A_ROW and all(r.status in ("error", "timeout") for r in recent):
         last = recent[-1]
         raise RunFailed(f"the last {MAX_ERRORS_IN_A_ROW} probes failed with errors, not out of memory: "
                         f"{(last.error or '').splitlines()[0][:300]}; see {log_dir}/trial-{last.trial:04d}.log")
 
 
-def _result(trial: int, point: Point, outcome: dict[str, Any]) -> Result:
+def result_from_probe(trial: int, step: Step, outcome: dict[str, Any]) -> Result:
+    """A probe's result line as the search's Result."""
     per_step = outcome.get("seconds_per_step")
-    batch = point.get("batch")
-    return Result(trial=trial, point=point, status=outcome["status"], peak_bytes=outcome.get("peak_bytes"),
-                  seconds_per_sample=round(per_step / batch, 6) if per_step and batch else per_step,
+    batch = step.point.get("batch") or 1
+    return Result(trial=trial, point=step.point, status=outcome["status"], peak_bytes=outcome.get("peak_bytes"),
+                  seconds_per_sample=round(per_step / batch, 6) if per_step else None,
                   phase=outcome.get("phase"), error=outcome.get("error"),
-                  extra={"phases": outcome.get("phases", {}), "seconds_per_step": per_step})
+                  phases=dict(outcome.get("phases") or {}), confirm=step.purpose == "confirm",
+                  extra={"seconds_per_step": per_step, "purpose": step.purpose,
+                         "wall_seconds": outcome.get("wall_seconds")})
 
 
 def _finish(job, space, study, known, options, settings, url, probes_run, proven, budget, limit, out) -> SearchSummary:
@@ -307,16 +443,19 @@ def _finish(job, space, study, known, options, settings, url, probes_run, proven
     return SearchSummary(status="fit" if winner else "none", study=options.study_name, storage=url,
                          trials=len(study.trials), probes_run=probes_run, proven=proven, best=winner,
                          best_point=winner.point if winner else None, best_file=best_file,
-                         budget_bytes=budget, limit_bytes=limit, space=space, lightest=lightest)
+                         budget_bytes=budget, limit_bytes=limit, space=space, lightest=lightest,
+                         explanation=explain(space, known, winner.point) if winner else [])
 
 
-def _trial_line(space: Space, result: Result, budget: int | None) -> str:
+def _trial_line(space: Space, result: Result, budget: int | None, purpose: str = "") -> str:
     from fitfinder.output import usage_bar
 
     speed = f"{result.extra.get('seconds_per_step'):.3f} s/step" if result.extra.get("seconds_per_step") else ""
     status = result.status if result.status != "ok" or result.verdict == FIT else "over margin"
     where = f" in {result.phase}" if result.phase and result.status != "ok" else ""
-    text = f"trial {result.trial:3d}  {space.describe(result.point)}  {status}{where}  {usage_bar(result.peak_bytes, budget)}  {speed}"
+    tag = f"{purpose:<9}" if purpose else ""
+    text = (f"trial {result.trial:3d} {tag} {space.describe(result.point)}  {status}{where}  "
+            f"{usage_bar(result.peak_bytes, budget)}  {speed}")
     if result.status in ("error", "timeout") and result.error:
         text += f"\n           {result.error[:300]}"
     return text.rstrip()

@@ -3,12 +3,18 @@
 The user's job file is the *desired point*: what they would train with unlimited memory. Every
 knob lists its candidates from the lightest (least memory) to the heaviest. Memory is assumed
 monotone in each knob, which gives dominance: a point at least as heavy as one that ran out of
-memory runs out too; a point at most as heavy as one that fit fits too.
+memory runs out too; a point at most as heavy as one that fit fits too. Each knob also names the
+probe phases whose memory it changes, so an OOM in one phase says nothing about knobs that phase
+does not depend on.
 
 Quality knobs cost training or preview fidelity when lowered and never go past the desired
 value; speed knobs cost only time and may go past it (batch instead of accumulation,
-checkpointing off) when memory allows. Quality is lexicographic over the quality knobs in
-priority order; among equal quality the faster point (fewer seconds per sample) wins.
+checkpointing off, offload off) when memory allows. Quality is lexicographic over the quality
+knobs in priority order (training fidelity, then preview fidelity, then flexibility); among
+equal quality the faster point (fewer seconds per sample) wins.
+
+Sample steps are not a knob: every denoising step needs the same memory, so fewer steps never
+make a job fit.
 """
 
 from __future__ import annotations
@@ -19,14 +25,20 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from fitfinder.errors import ConfigError
-from fitfinder.jobconfig import JobFile
+from fitfinder.jobconfig import AITK_DEFAULTS, JobFile
 
 Point = dict[str, Any]  # knob name -> one of its candidates (a JSON scalar)
 
 # Phases of a probe, in the order they run (see probe.py).
 PHASES = ("load", "text_encoder", "latents", "sample", "train", "last_sample")
-_TRAIN_ON = frozenset({"latents", "train"})
-_MODEL_ON = frozenset(PHASES)
+_ALL = frozenset(PHASES)
+_DATA = frozenset({"latents", "train"})
+_PREVIEW = frozenset({"sample", "last_sample"})
+# Default priority of the quality knobs: training fidelity > preview fidelity > flexibility.
+QUALITY_ORDER = ("buckets", "frames", "rank", "quantize", "optimizer",
+                 "sampling", "sample_size", "sample_frames", "text_encoder")
+# Speed knobs in the seeds' escalation order: checkpointing off, then a larger batch, then offload off.
+SPEED_ORDER = ("gradient_checkpointing", "batch", "low_vram")
 
 
 @dataclass(frozen=True)
@@ -36,7 +48,7 @@ class Knob:
     candidates: tuple  # lightest first
     desired: Any
     paths: tuple[str, ...]  # the job-file keys it writes
-    phases: frozenset  # probe phases whose memory it changes
+    phases: frozenset  # probe phases whose peak memory it changes
 
     def level(self, value: Any) -> int:
         return self.candidates.index(value)
@@ -85,13 +97,13 @@ class Space:
             yield dict(zip(self.names, values))
 
     def contains(self, point: Point) -> bool:
-        return set(point) == set(self.names) and all(
-            point[k.name] in k.candidates for k in self.knobs)
+        return set(point) == set(self.names) and all(point[k.name] in k.candidates for k in self.knobs)
 
     # -- order -----------------------------------------------------------------------------
-    def heavier_or_equal(self, a: Point, b: Point) -> bool:
-        """True when `a` needs at least as much memory as `b` on every knob."""
-        return all(k.level(a[k.name]) >= k.level(b[k.name]) for k in self.knobs)
+    def heavier_or_equal(self, a: Point, b: Point, phase: str | None = None) -> bool:
+        """True when `a` needs at least as much memory as `b` on every knob (that `phase` depends on)."""
+        return all(k.level(a[k.name]) >= k.level(b[k.name])
+                   for k in self.knobs if phase is None or phase in k.phases)
 
     def quality_key(self, point: Point) -> tuple[int, ...]:
         """Lexicographic quality: compare tuples, larger is better."""
@@ -109,7 +121,8 @@ class Space:
         """A copy of `job` with every knob of `point` written into it."""
         out = job.copy()
         for knob in self.knobs:
-            _APPLY[knob.name](out, point[knob.name], self)
+            if point[knob.name] != knob.desired:
+                _APPLY[knob.name](out, point[knob.name], self)
         return out
 
     def changes(self, point: Point) -> list[tuple[str, Any, Any]]:
@@ -123,24 +136,27 @@ class Space:
         return rows
 
     def describe(self, point: Point) -> str:
-        return " ".join(f"{k.name}={k.label(point[k.name])}" for k in self.knobs)
+        return " ".join(f"{_SHORT.get(k.name, k.name)}={k.label(point[k.name])}" for k in self.knobs)
 
 
 def build(job: JobFile) -> Space:
     """The space around the job's desired point, with the `fitfinder:` candidate overrides."""
+    from fitfinder.models import is_video
+
     overrides = job.settings.candidates
+    video = is_video(job)
     problems: list[str] = []
     knobs = []
     for name, make in _BUILDERS.items():
         try:
-            knob = make(job, overrides.get(name))
+            knob = make(job, overrides.get(name), video)
         except ValueError as exc:
             problems.append(f"fitfinder.candidates.{name}: {exc}")
             continue
         if knob is not None and len(knob.candidates) > 1:
             knobs.append(knob)
-    unknown = [n for n in overrides if n not in _BUILDERS]
-    problems += [f"fitfinder.candidates.{n}: this knob is not searched yet" for n in unknown]
+        elif name in overrides and knob is None:
+            problems.append(f"fitfinder.candidates.{name}: this knob does not apply to this job")
     if problems:
         raise ConfigError(job.source, problems)
     return Space(_prioritized(knobs, job.settings.priorities), job)
@@ -148,10 +164,24 @@ def build(job: JobFile) -> Space:
 
 def _prioritized(knobs: list[Knob], priorities: list[str]) -> list[Knob]:
     """Quality knobs in the user's priority order (unnamed ones keep theirs), then speed knobs."""
-    quality = [k for k in knobs if k.role == "quality"]
+    quality = sorted((k for k in knobs if k.role == "quality"), key=lambda k: QUALITY_ORDER.index(k.name))
     named = [k for name in priorities for k in quality if k.name == name]
     rest = [k for k in quality if k not in named]
-    return named + rest + [k for k in knobs if k.role == "speed"]
+    speed = sorted((k for k in knobs if k.role == "speed"), key=lambda k: SPEED_ORDER.index(k.name))
+    return named + rest + speed
+
+
+def _with_desired(values: list, desired: Any, allowed: Callable[[Any], bool], what: str) -> list:
+    bad = [v for v in values if not allowed(v)]
+    if bad:
+        raise ValueError(f"expected {what}, got {bad}")
+    return list(dict.fromkeys([*values, desired]))
+
+
+def _set(job: JobFile, path: str, value: Any) -> None:
+    """Write `value`, unless the file leaves the key out and the default already says it."""
+    if job.has(path) or AITK_DEFAULTS.get(path, object()) != value:
+        job.set(path, value)
 
 
 # -- buckets: datasets[*].resolution ------------------------------------------------------------
@@ -170,22 +200,21 @@ def resolutions(job: JobFile) -> list[int]:
     return sorted(set(int(v) for v in values))
 
 
-def _buckets(job: JobFile, override: list | None) -> Knob:
+def _buckets(job: JobFile, override: list | None, video: bool) -> Knob:
     desired = resolutions(job)
     if override is None:
         # Drop the largest bucket first, as the seeds' rollback does: [a, b, c] -> [a, b] -> [a].
         sets = [desired[:n] for n in range(1, len(desired) + 1)]
     else:
-        sets = []
+        sets = [desired]
         for entry in override:
             entry = entry if isinstance(entry, list) else [entry]
-            if not entry or not all(isinstance(v, int) and v > 0 for v in entry):
+            if not entry or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in entry):
                 raise ValueError(f"expected bucket lists of positive integers, got {entry!r}")
             sets.append(sorted(set(entry)))
-        sets.append(desired)
+    # Memory follows the largest bucket; more buckets at the same size cost no memory, only coverage.
     labels = sorted({bucket_label(s) for s in sets}, key=lambda l: (max(bucket_list(l)), len(bucket_list(l))))
-    return Knob("buckets", "quality", tuple(labels), bucket_label(desired), ("datasets[*].resolution",),
-                _TRAIN_ON)
+    return Knob("buckets", "quality", tuple(labels), bucket_label(desired), ("datasets[*].resolution",), _DATA)
 
 
 def _apply_buckets(job: JobFile, label: str, space: Space) -> None:
@@ -195,6 +224,30 @@ def _apply_buckets(job: JobFile, label: str, space: Space) -> None:
         kept = [r for r in mine if r in allowed] or [max(allowed)]
         if kept != mine:
             job.set(f"datasets[{i}].resolution", kept if isinstance(res, list) or len(kept) > 1 else kept[0])
+
+
+# -- frames: datasets[*].num_frames (video) -------------------------------------------------------
+def frame_ladder(desired: int) -> list[int]:
+    """Clip lengths of the 4k+1 form video VAEs want, halving k: 81 -> 41, 21, 9(k=2), 5, 1."""
+    values, k = [desired], (desired - 1) // 4
+    while k > 0:
+        k //= 2
+        values.append(4 * k + 1)
+    return sorted(set(values))
+
+
+def _frames(job: JobFile, override: list | None, video: bool) -> Knob | None:
+    desired = max(int(f) for f in job.get("datasets[*].num_frames"))
+    if not video and desired == 1:
+        return None
+    values = frame_ladder(desired) if override is None else _with_desired(
+        override, desired, lambda v: isinstance(v, int) and v >= 1, "positive frame counts")
+    return Knob("frames", "quality", tuple(sorted(values)), desired, ("datasets[*].num_frames",), _DATA)
+
+
+def _apply_frames(job: JobFile, frames: int, space: Space) -> None:
+    for i, own in enumerate(job.get("datasets[*].num_frames")):
+        job.set(f"datasets[{i}].num_frames", min(int(own), frames) if int(own) > 1 else own)
 
 
 # -- rank: network.linear (+ linear_alpha keeping its ratio) -------------------------------------
@@ -209,81 +262,203 @@ def _alpha_of(job: JobFile) -> float:
     return float(job.get("network.linear_alpha", None) or job.get("network.alpha", 1.0))
 
 
-def _rank(job: JobFile, override: list | None) -> Knob:
+def _rank(job: JobFile, override: list | None, video: bool) -> Knob:
     desired = _rank_of(job)
     if override is None:
         values = [2**i for i in range(0, 16) if MIN_RANK <= 2**i < desired] + [desired]
     else:
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in override):
-            raise ValueError(f"expected positive integers, got {override!r}")
-        values = list(override) + [desired]
+        values = _with_desired(override, desired, lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+                               "positive integers")
     return Knob("rank", "quality", tuple(sorted(set(values))), desired,
-                ("network.linear", "network.linear_alpha"), _MODEL_ON)
+                ("network.linear", "network.linear_alpha"), _ALL)
 
 
 def _apply_rank(job: JobFile, rank: int, space: Space) -> None:
-    ratio = _alpha_of(space.job) / _rank_of(space.job)
-    alpha = rank * ratio
+    alpha = rank * _alpha_of(space.job) / _rank_of(space.job)
     job.set("network.linear", rank)
     if job.has("network.rank"):
         job.set("network.rank", rank)
     job.set("network.linear_alpha", int(alpha) if float(alpha).is_integer() else alpha)
 
 
-# -- batch: train.batch_size x accumulation = the desired effective batch ------------------------
-def _batch(job: JobFile, override: list | None) -> Knob:
+# -- quantize: model.quantize + model.qtype (base precision) ---------------------------------------
+FOUR_BIT = ("uint4", "qint4", "int4", "nf4", "fp4", "uint3", "uint2")
+
+
+def quantize_level(job: JobFile) -> str:
+    if not job.get("model.quantize"):
+        return "none"
+    qtype = str(job.get("model.qtype")).split("|")[0].lower()
+    return "4bit" if qtype in FOUR_BIT else "8bit"
+
+
+def _quantize(job: JobFile, override: list | None, video: bool) -> Knob:
+    ladder = ("4bit", "8bit", "none")
+    desired = quantize_level(job)
+    values = ladder[:ladder.index(desired) + 1] if override is None else _with_desired(
+        override, desired, lambda v: v in ladder, "none, 8bit or 4bit")
+    return Knob("quantize", "quality", tuple(v for v in ladder if v in values), desired,
+                ("model.quantize", "model.qtype"), _ALL)
+
+
+def _apply_quantize(job: JobFile, level: str, space: Space) -> None:
+    if level == "none":
+        job.set("model.quantize", False)
+        return
+    job.set("model.quantize", True)
+    job.set("model.qtype", "uint4" if level == "4bit" else "qfloat8")
+
+
+# -- optimizer precision: train.optimizer --------------------------------------------------------
+OPTIMIZERS = ("adamw8bit", "adamw")  # lightest first: 8-bit states, then full precision
+
+
+def _optimizer(job: JobFile, override: list | None, video: bool) -> Knob | None:
+    desired = str(job.get("train.optimizer")).lower()
+    if desired not in OPTIMIZERS:
+        return None  # prodigy, adafactor, ...: not a precision trade fitfinder knows
+    values = OPTIMIZERS[:OPTIMIZERS.index(desired) + 1] if override is None else _with_desired(
+        [str(v).lower() for v in override], desired, lambda v: v in OPTIMIZERS, "adamw or adamw8bit")
+    return Knob("optimizer", "quality", tuple(v for v in OPTIMIZERS if v in values), desired,
+                ("train.optimizer",), frozenset({"train", "last_sample"}))
+
+
+def _apply_optimizer(job: JobFile, name: str, space: Space) -> None:
+    job.set("train.optimizer", name)
+
+
+# -- preview sampling: on/off, size, frames --------------------------------------------------------
+def _sampling(job: JobFile, override: list | None, video: bool) -> Knob | None:
+    desired = not job.get("train.disable_sampling")
+    values = [False, True] if override is None else _with_desired(
+        override, desired, lambda v: isinstance(v, bool), "true or false")
+    values = [v for v in (False, True) if v in values and (v <= desired)]
+    return Knob("sampling", "quality", tuple(values), desired, ("train.disable_sampling",), _PREVIEW)
+
+
+def _apply_sampling(job: JobFile, on: bool, space: Space) -> None:
+    job.set("train.disable_sampling", not on)
+
+
+def sample_size_label(width: int, height: int) -> str:
+    return f"{width}x{height}"
+
+
+def _sample_size(job: JobFile, override: list | None, video: bool) -> Knob | None:
+    if job.get("train.disable_sampling"):
+        return None  # no previews: their size costs nothing
+    width, height = int(job.get("sample.width")), int(job.get("sample.height"))
+    desired = sample_size_label(width, height)
+    if override is None:
+        # Half and three quarters of the desired size, keeping the aspect, on a 64-pixel grid.
+        sizes = {desired}
+        for scale in (0.5, 0.75):
+            sizes.add(sample_size_label(max(64, round(width * scale / 64) * 64), max(64, round(height * scale / 64) * 64)))
+    else:
+        sizes = set(_with_desired([str(v) for v in override], desired,
+                                  lambda v: len(v.split("x")) == 2 and all(p.isdigit() for p in v.split("x")),
+                                  "sizes such as 512x512"))
+    ordered = sorted(sizes, key=lambda s: math.prod(int(p) for p in s.split("x")))
+    return Knob("sample_size", "quality", tuple(ordered), desired, ("sample.width", "sample.height"), _PREVIEW)
+
+
+def _apply_sample_size(job: JobFile, label: str, space: Space) -> None:
+    width, height = (int(p) for p in label.split("x"))
+    job.set("sample.width", width)
+    job.set("sample.height", height)
+
+
+def _sample_frames(job: JobFile, override: list | None, video: bool) -> Knob | None:
+    desired = int(job.get("sample.num_frames"))
+    if desired == 1 or job.get("train.disable_sampling"):
+        return None
+    values = frame_ladder(desired) if override is None else _with_desired(
+        override, desired, lambda v: isinstance(v, int) and v >= 1, "positive frame counts")
+    return Knob("sample_frames", "quality", tuple(sorted(values)), desired, ("sample.num_frames",), _PREVIEW)
+
+
+def _apply_sample_frames(job: JobFile, frames: int, space: Space) -> None:
+    job.set("sample.num_frames", frames)
+
+
+# -- text encoder: cached embeddings, or kept on the device --------------------------------------
+def text_encoder_mode(job: JobFile) -> str:
+    if job.get("train.unload_text_encoder"):
+        return "unload"
+    return "cache" if job.get("train.cache_text_embeddings") else "keep"
+
+
+def _text_encoder(job: JobFile, override: list | None, video: bool) -> Knob | None:
+    desired = text_encoder_mode(job)
+    if desired != "keep":
+        return None  # already off the device during training
+    values = ["cache", "keep"] if override is None else _with_desired(
+        override, desired, lambda v: v in ("cache", "keep"), "cache or keep")
+    return Knob("text_encoder", "quality", tuple(v for v in ("cache", "keep") if v in values), desired,
+                ("train.cache_text_embeddings",), _ALL)
+
+
+def _apply_text_encoder(job: JobFile, mode: str, space: Space) -> None:
+    _set(job, "train.cache_text_embeddings", mode == "cache")
+
+
+# -- speed: batch, gradient checkpointing, low_vram ------------------------------------------------
+def _batch(job: JobFile, override: list | None, video: bool) -> Knob:
     desired = int(job.get("train.batch_size"))
     effective = desired * job.accumulation
     divisors = [b for b in range(1, effective + 1) if effective % b == 0]
     if override is not None:
-        bad = [v for v in override if not isinstance(v, int) or isinstance(v, bool) or v not in divisors]
-        if bad:
-            raise ValueError(f"batch sizes must divide the effective batch {effective} "
-                             f"(batch_size x accumulation), got {bad}")
-        divisors = sorted(set(override) | {desired})
-    return Knob("batch", "speed", tuple(divisors), desired,
+        divisors = _with_desired(override, desired, lambda v: isinstance(v, int) and v in divisors,
+                                 f"batch sizes that divide the effective batch {effective} (batch_size x accumulation)")
+    return Knob("batch", "speed", tuple(sorted(set(divisors))), desired,
                 ("train.batch_size", "train.gradient_accumulation", "train.gradient_accumulation_steps"),
-                _TRAIN_ON)
+                frozenset({"text_encoder", "latents", "train"}))
 
 
 def _apply_batch(job: JobFile, batch: int, space: Space) -> None:
     job.set("train.batch_size", batch)
-    accumulation = space.effective_batch // batch
-    key = space.job.accumulation_key
-    if job.has(key) or accumulation != 1:
-        job.set(key, accumulation)
+    _set(job, space.job.accumulation_key, space.effective_batch // batch)
 
 
-# -- gradient checkpointing ----------------------------------------------------------------------
-def _checkpointing(job: JobFile, override: list | None) -> Knob:
-    desired = bool(job.get("train.gradient_checkpointing"))
-    values = [True, False] if override is None else [bool(v) for v in override] + [desired]
-    # On (True) is the lighter setting, so it comes first.
-    return Knob("gradient_checkpointing", "speed", tuple(v for v in (True, False) if v in values),
-                desired, ("train.gradient_checkpointing",), frozenset({"train"}))
+def _switch(name: str, path: str, phases: frozenset, light: bool):
+    """A boolean speed knob whose `light` setting saves memory (checkpointing on, low_vram on)."""
+
+    def make(job: JobFile, override: list | None, video: bool) -> Knob:
+        desired = bool(job.get(path))
+        values = [True, False] if override is None else _with_desired(
+            override, desired, lambda v: isinstance(v, bool), "true or false")
+        order = (light, not light)
+        return Knob(name, "speed", tuple(v for v in order if v in values), desired, (path,), phases)
+
+    def apply(job: JobFile, value: bool, space: Space) -> None:
+        _set(job, path, bool(value))
+
+    return make, apply
 
 
-def _apply_checkpointing(job: JobFile, on: bool, space: Space) -> None:
-    if job.has("train.gradient_checkpointing") or on != job.get("train.gradient_checkpointing"):
-        job.set("train.gradient_checkpointing", bool(on))
+_checkpointing, _apply_checkpointing = _switch("gradient_checkpointing", "train.gradient_checkpointing",
+                                               frozenset({"train"}), light=True)
+_low_vram, _apply_low_vram = _switch("low_vram", "model.low_vram", _ALL, light=True)
 
-
-_BUILDERS: dict[str, Callable[[JobFile, list | None], Knob | None]] = {
-    "buckets": _buckets,
-    "rank": _rank,
-    "batch": _batch,
-    "gradient_checkpointing": _checkpointing,
+_BUILDERS: dict[str, Callable[[JobFile, list | None, bool], Knob | None]] = {
+    "buckets": _buckets, "frames": _frames, "rank": _rank, "quantize": _quantize, "optimizer": _optimizer,
+    "sampling": _sampling, "sample_size": _sample_size, "sample_frames": _sample_frames,
+    "text_encoder": _text_encoder, "batch": _batch, "gradient_checkpointing": _checkpointing,
+    "low_vram": _low_vram,
 }
 _APPLY: dict[str, Callable[[JobFile, Any, Space], None]] = {
-    "buckets": _apply_buckets,
-    "rank": _apply_rank,
-    "batch": _apply_batch,
-    "gradient_checkpointing": _apply_checkpointing,
+    "buckets": _apply_buckets, "frames": _apply_frames, "rank": _apply_rank, "quantize": _apply_quantize,
+    "optimizer": _apply_optimizer, "sampling": _apply_sampling, "sample_size": _apply_sample_size,
+    "sample_frames": _apply_sample_frames, "text_encoder": _apply_text_encoder, "batch": _apply_batch,
+    "gradient_checkpointing": _apply_checkpointing, "low_vram": _apply_low_vram,
 }
 _LABELS: dict[str, Callable[[Any], str]] = {
     "buckets": lambda v: f"[{v}]",
     "gradient_checkpointing": lambda v: "on" if v else "off",
+    "low_vram": lambda v: "on" if v else "off",
+    "sampling": lambda v: "on" if v else "off",
 }
+_SHORT = {"gradient_checkpointing": "gc", "sample_size": "sample", "text_encoder": "te"}
 
 
 def _plain(value: Any) -> Any:

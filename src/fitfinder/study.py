@@ -8,6 +8,11 @@ How results map onto trial states (the sampler and the dashboard both read them)
   Optuna's TPE ranks pruned trials below every completed one, so the sampler learns to avoid
   the region, and the dashboard shows them as pruned, the way users read an OOM.
 - crashed, hung, no result line   -> FAIL, with the reason in `error`.
+- decided without a probe         -> PRUNED with `status: decided` and `decided_by` (the trial
+  whose result rules it out): points the plan would have probed, had dominance not settled them.
+
+Each trial's `purpose` says which stage of the plan asked for it: base, rollback, quality,
+speed or confirm (a confirmation runs longer).
 
 Objectives: `quality` (the lexicographic quality key as one integer, maximize) and
 `seconds_per_sample` (minimize).
@@ -87,7 +92,8 @@ def load_knowledge(study, space: Space, limit_bytes: int | None, fail_running: b
             study._storage.set_trial_user_attr(trial_id, "error", "the search stopped during this probe")
             study._storage.set_trial_state_values(trial_id, TrialState.FAIL)
             continue
-        if trial.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL) and "status" in trial.user_attrs:
+        finished = trial.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+        if finished and trial.user_attrs.get("status") in ("ok", "oom", "error", "timeout"):
             known.add(result_from_trial(trial))
     return known
 
@@ -96,31 +102,55 @@ def result_from_trial(trial) -> Result:
     attrs = trial.user_attrs
     return Result(trial=trial.number, point=dict(attrs["point"]), status=attrs["status"],
                   peak_bytes=attrs.get("peak_bytes"), seconds_per_sample=attrs.get("seconds_per_sample"),
-                  phase=attrs.get("phase"), error=attrs.get("error"),
-                  extra={"phases": attrs.get("phases", {}), "seconds_per_step": attrs.get("seconds_per_step")})
+                  phase=attrs.get("phase"), error=attrs.get("error"), phases=dict(attrs.get("phases") or {}),
+                  confirm=attrs.get("purpose") == "confirm",
+                  extra={"seconds_per_step": attrs.get("seconds_per_step"), "purpose": attrs.get("purpose"),
+                         "wall_seconds": attrs.get("wall_seconds")})
 
 
-def ask(study, space: Space, point: Point):
+def decided_keys(study, space: Space) -> set[tuple]:
+    """Points already recorded as decided, so a resumed search does not record them twice."""
+    return {space.key(t.user_attrs["point"]) for t in study.get_trials(deepcopy=False)
+            if t.user_attrs.get("status") == "decided"}
+
+
+def ask(study, space: Space, point: Point, purpose: str = ""):
     """Enqueue the planned point and take it: the trial's parameters are exactly that point."""
-    study.enqueue_trial(point, skip_if_exists=False)
+    study.enqueue_trial(point, user_attrs={"purpose": purpose}, skip_if_exists=False)
     trial = study.ask(distributions(space))
     if {k: trial.params.get(k) for k in point} != point:  # an older enqueued point came first
-        study.tell(trial, state=_fail_state(), skip_if_finished=True)
+        study.tell(trial, state=fail_state(), skip_if_finished=True)
         trial = study.ask(distributions(space))
     return trial
 
 
-def _fail_state():
+def fail_state():
     from optuna.trial import TrialState
 
     return TrialState.FAIL
 
 
-def record(study, trial, space: Space, result: Result, probe_result: dict[str, Any], limit_bytes: int | None) -> None:
+def record_decided(study, space: Space, point: Point, decider: Result) -> None:
+    """A point the plan did not probe because `decider`'s result rules it out."""
+    import optuna
+    from optuna.trial import TrialState
+
+    phases = ", ".join(decider.failed_phases) or "every phase"
+    study.add_trial(optuna.trial.create_trial(
+        state=TrialState.PRUNED, params=point, distributions=distributions(space),
+        user_attrs={"point": point, "status": "decided", "decided_by": decider.trial, "verdict": "nofit",
+                    "reason": f"at least as heavy as trial {decider.trial}, which did not fit ({phases}), "
+                              "on every knob that matters there"},
+    ))
+
+
+def record(study, trial, space: Space, result: Result, probe_result: dict[str, Any], limit_bytes: int | None,
+           purpose: str = "") -> None:
     """Write the probe's facts as user attributes and finish the trial in the matching state."""
     from optuna.trial import TrialState
 
     attrs = {
+        "purpose": purpose,
         "point": result.point,
         "status": result.status,
         "phase": result.phase,
@@ -135,6 +165,7 @@ def record(study, trial, space: Space, result: Result, probe_result: dict[str, A
         "oom_kind": probe_result.get("oom_kind"),
         "meter": probe_result.get("meter"),
         "verdict": result.verdict,
+        "failed_phases": list(result.failed_phases),
     }
     for key, value in attrs.items():
         trial.set_user_attr(key, _jsonable(value))

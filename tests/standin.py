@@ -1,0 +1,105 @@
+"""A stand-in probe whose memory is a known function of the knobs, for exact tests of the plan.
+
+Each phase's peak depends only on the knobs that space.py says it depends on, and grows with
+each of them, as the real probe's memory does; seconds per step fall with a larger batch and
+rise with checkpointing and offload. Over the budget, a phase "runs out of memory" and the
+later phases do not run, as in a real probe.
+"""
+
+from __future__ import annotations
+
+from fitfinder import jobconfig, search, space as spaces
+
+MiB = 2**20
+
+JOB = """
+job: extension
+config:
+  name: standin
+  process:
+    - network: {type: lora, linear: 32, linear_alpha: 16}
+      datasets:
+        - folder_path: /data
+          resolution: [512, 768, 1024]
+      train:
+        batch_size: 4
+        gradient_accumulation: 1
+        gradient_checkpointing: false
+        optimizer: adamw
+        dtype: bf16
+      model: {name_or_path: fitfinder/flux-tiny, is_flux: true}
+      sample: {width: 1024, height: 1024, sample_steps: 20}
+fitfinder: {weights: random}
+"""
+
+
+def make_space(text: str = JOB) -> spaces.Space:
+    return spaces.build(jobconfig.loads(text, "standin.yaml"))
+
+
+def phase_peaks(point: dict) -> dict[str, int]:
+    """Peak bytes of every phase that runs at `point` (MiB-scale numbers)."""
+    weights = {"none": 24, "8bit": 13, "4bit": 7}[point.get("quantize", "none")]
+    if point.get("low_vram", False):
+        weights *= 0.6
+    encoder = 9 if point.get("text_encoder", "keep") == "keep" else 0
+    lora = point.get("rank", 32) / 32
+    resident = weights + encoder + lora
+    largest = max(int(r) for r in str(point.get("buckets", "1024")).split(","))
+    pixels = (largest / 1024) ** 2
+    batch = point.get("batch", 1)
+    activations = pixels * batch * (2.5 if point.get("gradient_checkpointing", True) else 12)
+    optimizer = lora * (2 if point.get("optimizer", "adamw") == "adamw" else 0.5)
+    sample_side = int(str(point.get("sample_size", "1024x1024")).split("x")[0]) / 1024
+    peaks = {
+        "load": resident + (9 if encoder == 0 else 0),  # encoders are loaded even when cached later
+        "text_encoder": resident + 9 * (encoder == 0) + 0.5 * batch,
+        "latents": resident + 1.5 * pixels * batch,
+        "train": resident + activations + optimizer + lora,
+    }
+    if point.get("sampling", True):
+        peaks["sample"] = resident + 6 * sample_side**2
+        peaks["last_sample"] = resident + optimizer + 6 * sample_side**2
+    order = ("load", "text_encoder", "latents", "sample", "train", "last_sample")
+    return {p: int(peaks[p] * MiB) for p in order if p in peaks}
+
+
+def seconds_per_step(point: dict) -> float:
+    batch = point.get("batch", 1)
+    slow = (1.35 if point.get("gradient_checkpointing", True) else 1.0) * (1.5 if point.get("low_vram") else 1.0)
+    return round(0.1 * batch**0.6 * slow, 6)
+
+
+def outcome(point: dict, budget: int) -> dict:
+    """What the real probe would answer at this budget."""
+    peaks = {}
+    for phase, peak in phase_peaks(point).items():
+        peaks[phase] = peak
+        if peak > budget:
+            return {"status": "oom", "phase": phase, "phases": peaks, "peak_bytes": peak,
+                    "seconds_per_step": None}
+    return {"status": "ok", "phase": None, "phases": peaks, "peak_bytes": max(peaks.values()),
+            "seconds_per_step": seconds_per_step(point)}
+
+
+def run_plan(space: spaces.Space, budget: int, margin: float = 0.05, max_probes: int = 200):
+    """Drive the real plan with the stand-in probe; return (steps taken, knowledge, decided, proven)."""
+    known = search.Knowledge(space, int(budget * (1 - margin)))
+    steps, decided = [], []
+
+    def probe_step(step):
+        steps.append((step.purpose, dict(step.point)))
+        return known.add(search.result_from_probe(len(steps) - 1, step, outcome(step.point, budget)))
+
+    proven, _ = search.drive(space, known, probe_step, 0, max_probes, lambda p, r: decided.append((p, r.trial)))
+    return steps, known, decided, proven
+
+
+def true_optimum(space: spaces.Space, budget: int, margin: float = 0.05):
+    """Brute force: the best quality that fits, then the fewest seconds per sample."""
+    limit = int(budget * (1 - margin))
+    feasible = [p for p in space.points() if outcome(p, budget)["status"] == "ok"
+                and outcome(p, budget)["peak_bytes"] <= limit]
+    if not feasible:
+        return None
+    return max(feasible, key=lambda p: (space.quality_key(p), -seconds_per_step(p) / p.get("batch", 1)))

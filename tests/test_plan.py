@@ -1,0 +1,167 @@
+"""The plan, step by step, against a stand-in probe whose memory is a known function of the knobs.
+
+The stand-in (tests/standin.py) is the one place a probe is simulated: these tests are about
+which points the search asks for, not about measuring memory.
+"""
+
+import pytest
+
+from fitfinder import search
+from tests.standin import MiB, JOB, make_space, outcome, run_plan, true_optimum
+
+
+def _changed(space, before, after):
+    """The knobs that differ between two points, as name -> (old, new)."""
+    return {k: (before[k], after[k]) for k in space.names if before[k] != after[k]}
+
+
+@pytest.mark.parametrize("budget_mib", [12, 15, 16, 17, 18, 19, 20, 22, 24, 26, 28, 30, 33, 36, 40, 44, 48, 55, 65, 80, 100])
+def test_the_plan_finds_the_brute_force_optimum_with_few_probes(budget_mib):
+    space = make_space()
+    steps, known, decided, proven = run_plan(space, budget_mib * MiB)
+    optimum = true_optimum(space, budget_mib * MiB)
+    winner = search.best(space, known)
+    assert proven
+    assert (winner.point if winner else None) == optimum
+    assert len(steps) <= 20  # of 10,368 points
+    if winner is not None:
+        assert known.confirmed(winner.point) and steps[-1] == ("confirm", winner.point)
+
+
+def test_a_fitting_base_is_confirmed_and_nothing_else_probed():
+    space = make_space()
+    steps, _, _, _ = run_plan(space, 100 * MiB)
+    assert steps == [("base", space.desired()), ("confirm", space.desired())]
+
+
+def test_train_oom_rolls_back_checkpointing_and_batch_then_escalates_one_step_at_a_time():
+    space = make_space()
+    steps, known, _, _ = run_plan(space, 45 * MiB)
+    desired = space.desired()
+    purposes = [purpose for purpose, _ in steps]
+    assert purposes == ["base", "rollback"] + ["speed"] * 7 + ["confirm"]
+    assert known.results[0].phase == "train"
+    assert _changed(space, desired, steps[1][1]) == {"gradient_checkpointing": (False, True), "batch": (4, 1)}
+    # Escalation from the lightest speed setting: the batch first, one step at a time, then
+    # checkpointing off, then offload off, each on its own before any two together.
+    escalations = [_changed(space, steps[1][1], point) for _, point in steps[2:9]]
+    assert escalations == [
+        {"batch": (1, 2), "low_vram": (False, True)},
+        {"batch": (1, 4), "low_vram": (False, True)},
+        {"gradient_checkpointing": (True, False), "low_vram": (False, True)},
+        {"gradient_checkpointing": (True, False), "batch": (1, 2), "low_vram": (False, True)},
+        {"batch": (1, 2)},
+        {"batch": (1, 4)},
+        {"gradient_checkpointing": (True, False)},
+    ]
+    winner = search.best(space, known)
+    assert winner.point == true_optimum(space, 45 * MiB)
+
+
+def test_load_oom_rolls_back_offload_and_encoders_then_quantization():
+    space = make_space()
+    steps, known, _, _ = run_plan(space, 20 * MiB)
+    desired = space.desired()
+    assert known.results[0].phase == "load" and known.results[1].phase == "load"
+    assert _changed(space, desired, steps[1][1]) == {"text_encoder": ("keep", "cache"), "low_vram": (False, True)}
+    assert _changed(space, steps[1][1], steps[2][1]) == {"quantize": ("none", "4bit")}
+    # the quantization rollback then failed in train: checkpointing on and batch 1 come next
+    assert known.results[2].phase == "train"
+    assert _changed(space, steps[2][1], steps[3][1]) == {"gradient_checkpointing": (False, True), "batch": (4, 1)}
+
+
+def test_sample_oom_turns_sampling_off_first():
+    job = JOB.replace("batch_size: 4", "batch_size: 1").replace("gradient_checkpointing: false",
+                                                                 "gradient_checkpointing: true")
+    space = make_space(job)
+    budget = 38 * MiB
+    assert outcome(space.desired(), budget)["phase"] == "sample"
+    steps, known, _, _ = run_plan(space, budget)
+    assert _changed(space, space.desired(), steps[1][1]) == {"sampling": (True, False)}
+    assert search.best(space, known).point == true_optimum(space, budget)
+
+
+def test_points_heavier_than_an_oom_in_a_phase_are_decided_not_probed():
+    space = make_space()
+    steps, known, decided, _ = run_plan(space, 20 * MiB)
+    probed = {space.key(p) for _, p in steps}
+    assert decided
+    for point, trial in decided:
+        assert space.key(point) not in probed
+        failed = known.results[trial]
+        assert failed.verdict == search.NOFIT
+        assert any(space.heavier_or_equal(point, failed.point, phase) for phase in failed.failed_phases)
+
+
+def test_an_oom_in_one_phase_says_nothing_about_knobs_that_phase_does_not_use():
+    space = make_space()
+    known = search.Knowledge(space, 30 * MiB)
+    base = space.desired()
+    known.add(search.Result(trial=0, point=base, status="oom", phase="load", phases={"load": 40 * MiB}))
+    heavier_train = {**base, "batch": 4, "gradient_checkpointing": False}
+    lighter_load = {**base, "low_vram": True}
+    assert known.state(heavier_train) == search.NOFIT  # same load knobs: same load
+    assert known.state({**base, "gradient_checkpointing": True, "batch": 1}) == search.NOFIT
+    assert known.state(lighter_load) is None  # offload changes the load phase: unknown
+
+
+def test_bisection_bounds_lean_on_what_is_known():
+    space = make_space()
+    rank = space.by_name["rank"]
+    known = search.Knowledge(space, 30 * MiB)
+    light = space.lightest()
+    known.add(search.Result(trial=0, point={**light, "rank": 8}, status="ok", peak_bytes=10 * MiB, phases={}))
+    known.add(search.Result(trial=1, point={**light, "rank": 32}, status="oom", phase="train", phases={}))
+    line = lambda level: {**light, "rank": rank.candidates[level]}  # noqa: E731
+    assert search._bounds(known, line, 3) == (1, 3)  # 8 fits (and 4 with it); 32 does not; 16 unknown
+
+
+def test_a_failed_confirmation_confirms_the_next_best_instead():
+    space = make_space()
+    budget = 45 * MiB
+    known = search.Knowledge(space, int(budget * 0.95))
+    steps = []
+
+    def probe_step(step):
+        steps.append((step.purpose, dict(step.point)))
+        result = outcome(step.point, budget)
+        if step.purpose == "confirm" and sum(p == "confirm" for p, _ in steps) == 1:
+            result = {**result, "status": "oom", "phase": "train"}  # the long run met a peak the short one missed
+        return known.add(search.result_from_probe(len(steps) - 1, step, result))
+
+    proven, _ = search.drive(space, known, probe_step, 0, 100)
+    confirms = [point for purpose, point in steps if purpose == "confirm"]
+    assert proven and len(confirms) == 2 and confirms[0] != confirms[1]
+    winner = search.best(space, known)
+    assert winner.point == confirms[1] and known.confirmed(winner.point)
+    assert known.state(confirms[0]) == search.NOFIT
+
+
+def test_nothing_fits_ends_without_a_winner():
+    space = make_space()
+    steps, known, _, proven = run_plan(space, 12 * MiB)
+    assert proven and search.best(space, known) is None
+    # The load phase fails even with every load knob at its lightest, and buckets do not change
+    # the load: that one probe rules out the whole space, the lightest point included.
+    assert [purpose for purpose, _ in steps] == ["base", "rollback", "rollback", "quality"]
+    assert steps[-1][1] == {**space.lightest(), "buckets": space.by_name["buckets"].desired}
+    state, decider = known.decider(space.lightest())
+    assert state == search.NOFIT and decider.trial == 3 and decider.phase == "load"
+
+
+def test_the_trial_cap_stops_the_plan_unproven():
+    space = make_space()
+    steps, known, _, proven = run_plan(space, 20 * MiB, max_probes=3)
+    assert not proven and len(steps) == 3
+
+
+def test_explanation_names_the_trial_that_forced_each_loss():
+    space = make_space()
+    steps, known, _, _ = run_plan(space, 20 * MiB)
+    winner = search.best(space, known)
+    rows = {row["knob"]: row for row in search.explain(space, known, winner.point)}
+    assert rows["buckets"]["verdict"] == "kept" and rows["buckets"]["forced_by"] is None
+    assert rows["quantize"]["verdict"] == "given up"
+    forced = known.results[rows["quantize"]["forced_by"]]
+    assert forced.verdict == search.NOFIT and forced.point["quantize"] == "none"
+    assert rows["text_encoder"]["verdict"] == "given up" and rows["text_encoder"]["forced_by"] is not None
