@@ -161,6 +161,44 @@ def plan(space: Space, known: Knowledge) -> Step:
     return Step(None, decided=decided)
 
 
+def plan_around(space: Space, known: Knowledge, pending: list[Point], depth: int = 3) -> Step:
+    """The next point for one more worker while `pending` points are being probed by others.
+
+    When the plan's next point is already being probed, speculate: plan as if it failed, and as
+    if it fit, and take the first answer nobody is probing yet (the failure branch first: the
+    seeds' walk goes down before it goes up). The speculation only picks *which* point to probe;
+    every result the search learns from is a real one. Step(None) with points pending means
+    "wait for them".
+    """
+    step = plan(space, known)
+    if step.point is None or not _among(space, step.point, pending):
+        return step
+    if depth == 0 or step.purpose == "confirm":
+        return Step(None)  # confirmations rarely fail: waiting beats speculating on one
+    guess = pending[[space.key(p) for p in pending].index(space.key(step.point))]
+    rest = [p for p in pending if p is not guess]
+    for verdict in ("oom", "ok"):
+        branch = _with_guess(space, known, guess, verdict)
+        nested = plan_around(space, branch, rest, depth - 1)
+        if nested.point is not None and not _among(space, nested.point, pending):
+            return Step(nested.point, nested.purpose, nested.steps_factor)
+    return Step(None)
+
+
+def _among(space: Space, point: Point, points: list[Point]) -> bool:
+    key = space.key(point)
+    return any(space.key(p) == key for p in points)
+
+
+def _with_guess(space: Space, known: Knowledge, point: Point, status: str) -> Knowledge:
+    """A copy of `known` that assumes `point` ends with `status` (an OOM in every phase, or a fit)."""
+    guessed = Knowledge(space, known.limit_bytes)
+    for result in known.results:
+        guessed.add(result)
+    guessed.add(Result(trial=-1, point=point, status=status, peak_bytes=0 if status == "ok" else None))
+    return guessed
+
+
 def _consider(known: Knowledge, point: Point, decided: list) -> str | None:
     """The state of a point the plan would probe; a failure decided without probing is noted."""
     state, result = known.decider(point)

@@ -1,0 +1,391 @@
+"""How many probes each search strategy spends, and whether it finds the true optimum.
+
+Every scenario is a tiny-model AI Toolkit job (flux, sdxl, wan21) and a simulated budget. Its
+whole space is probed once with the real probe on the sim meter (the exhaustive grid, cached in
+benchmarks/cache/), without a budget: the sim meter is exact and deterministic, so what a probe
+would answer under any budget follows from the unbudgeted peaks -- the first phase whose peak
+passes the budget is where it runs out of memory. `--verify N` re-runs N random points under
+their budget for real and checks that claim.
+
+Every strategy then searches the same grid, paying for each point it asks for with the probe
+seconds the grid measured (an OOM pays up to its failing phase):
+
+- grid:      probe everything (the ground truth).
+- tpe:       plain Optuna TPE (OOM pruned, margin as a constraint), capped at fitfinder's 40 trials.
+- binsearch: one knob at a time from the lightest point, doubling then bisecting each knob's
+             level, like Lightning's batch-size `binsearch`.
+- seeds:     the seeds' manual walk: roll back one move at a time in their order until it fits,
+             then re-add one heavier setting at a time (bucket, sampling, batch / clips).
+- fitfinder: fitfinder's own plan (search.plan), confirmation included.
+
+    python benchmarks/search_efficiency.py [--json PATH] [--only flux] [--verify 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from fitfinder import jobconfig, probe, search, space as spaces  # noqa: E402
+
+CACHE = ROOT / "benchmarks" / "cache"
+GRID_STEPS = 6  # probe steps per grid point: peaks do not depend on it past 3 (largest bucket at 0, mid, end)
+MARGIN = 0.05
+TRIAL_CAP = 40  # fitfinder's default --trials, also TPE's cap
+
+
+# -- scenarios -------------------------------------------------------------------------------------
+def _job(model: str, family_flag: str, resolution: str, rank: int, batch: int, gc: bool, optimizer: str,
+         sample: int, candidates: str, frames: int = 1, sample_frames: int = 1, extra_model: str = "") -> str:
+    return f"""
+job: extension
+config:
+  name: bench
+  process:
+    - network: {{type: lora, linear: {rank}, linear_alpha: {rank}}}
+      datasets:
+        - folder_path: /data
+          resolution: {resolution}
+          num_frames: {frames}
+      train:
+        batch_size: {batch}
+        gradient_accumulation: 1
+        gradient_checkpointing: {str(gc).lower()}
+        optimizer: {optimizer}
+        dtype: fp32
+      model: {{name_or_path: {model}, {family_flag}{extra_model}}}
+      sample: {{width: {sample}, height: {sample}, num_frames: {sample_frames}, sample_steps: 20}}
+fitfinder:
+  weights: random
+  candidates: {candidates}
+"""
+
+
+# name -> (job text, budgets as fractions between the lightest and the desired point's peak)
+JOBS = {
+    "flux-a": _job("fitfinder/flux-tiny", "is_flux: true", "[256, 384, 512]", 32, 4, False, "adamw", 512,
+                   "{rank: [8, 32], quantize: [none], text_encoder: [keep], sample_size: [256x256, 512x512]}"),
+    "flux-b": _job("fitfinder/flux-tiny", "is_flux: true", "[256, 512]", 16, 2, False, "adamw", 384,
+                   "{rank: [4, 16], optimizer: [adamw8bit, adamw], quantize: [none], low_vram: [false]}"),
+}
+BUDGET_FRACTIONS = (0.15, 0.35, 0.55, 0.8)
+
+
+def scenarios(only: str | None):
+    for name, text in JOBS.items():
+        if only and not name.startswith(only):
+            continue
+        job = jobconfig.loads(text, f"{name}.yaml")
+        yield name, job, spaces.build(job)
+
+
+# -- the exhaustive grid -----------------------------------------------------------------------------
+def code_version() -> str:
+    """Grids are remeasured when the probe's code changes."""
+    digest = hashlib.sha256()
+    for name in ("probe.py", "models.py", "meter.py"):
+        digest.update((ROOT / "src" / "fitfinder" / name).read_bytes())
+    for arch in sorted((ROOT / "src" / "fitfinder" / "archs").glob("*.json")):
+        digest.update(arch.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def measure_grid(name: str, job, space, runner) -> dict[tuple, dict]:
+    """Every point's unbudgeted probe result, from the cache when the job and the code match."""
+    key = hashlib.sha256((job_text(job) + code_version()).encode()).hexdigest()[:12]
+    path = CACHE / f"grid-{name}-{key}.json"
+    if path.exists():
+        rows = json.loads(path.read_text())
+        return {tuple(json.loads(k)): v for k, v in rows.items()}
+    grid, started = {}, time.perf_counter()
+    for index, point in enumerate(space.points()):
+        request = probe.request_for(space.apply(job, point), GRID_STEPS, "sim", None)
+        grid[space.key(point)] = runner.run(request)
+        if index % 25 == 0:
+            print(f"  grid {name}: {index + 1}/{space.size()} points, {time.perf_counter() - started:.0f} s",
+                  file=sys.stderr, flush=True)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({json.dumps(list(k)): v for k, v in grid.items()}))
+    return grid
+
+
+def job_text(job) -> str:
+    return job.dumps() + json.dumps(job.settings.candidates, sort_keys=True)
+
+
+def at_budget(record: dict, budget: int) -> dict:
+    """What the probe answers under `budget`: it fails in the first phase whose peak passes it."""
+    if record["status"] != "ok":
+        return record
+    phases, stats = {}, record.get("phase_stats", {})
+    for phase, peak in record["phases"].items():
+        phases[phase] = peak
+        if peak > budget:
+            spent = sum(stats.get(p, {}).get("seconds", 0.0) for p in phases)
+            return {"status": "oom", "phase": phase, "phases": phases, "peak_bytes": peak,
+                    "seconds_per_step": None, "wall_seconds": overhead(record) + spent}
+    return record
+
+
+def overhead(record: dict) -> float:
+    """Probe seconds outside the phases (process start, model build)."""
+    phases = sum(p.get("seconds", 0.0) for p in record.get("phase_stats", {}).values())
+    return max(0.0, record.get("wall_seconds", phases) - phases)
+
+
+class Lookup:
+    """A strategy's window on the grid: answers points, counts probes and probe-seconds."""
+
+    def __init__(self, space, grid: dict, budget: int):
+        self.space, self.grid, self.budget = space, grid, budget
+        self.limit = int(budget * (1 - MARGIN))
+        self.probes, self.seconds, self.seen = 0, 0.0, {}
+
+    def outcome(self, point: dict, factor: int = 1, fresh: bool = False) -> dict:
+        key = self.space.key(point)
+        if key in self.seen and not fresh:
+            return self.seen[key]  # a strategy never pays twice for the same point
+        answer = at_budget(self.grid[key], self.budget)
+        self.probes += 1
+        self.seconds += answer.get("wall_seconds", 0.0) * factor
+        self.seen[key] = answer
+        return answer
+
+    def fits(self, point: dict) -> bool:
+        answer = self.outcome(point)
+        return answer["status"] == "ok" and answer["peak_bytes"] <= self.limit
+
+    def speed(self, point: dict) -> float:
+        return self.grid[self.space.key(point)]["seconds_per_step"] / point.get("batch", 1)
+
+
+def true_optimum(space, grid, budget) -> dict | None:
+    limit = int(budget * (1 - MARGIN))
+    feasible = [p for p in space.points() if _fits(at_budget(grid[space.key(p)], budget), limit)]
+    if not feasible:
+        return None
+    return max(feasible, key=lambda p: (space.quality_key(p), -grid[space.key(p)]["seconds_per_step"] / p.get("batch", 1)))
+
+
+def _fits(answer: dict, limit: int) -> bool:
+    return answer["status"] == "ok" and answer["peak_bytes"] <= limit
+
+
+def _best_of(space, lookup: Lookup, points) -> dict | None:
+    fits = [p for p in points if lookup.fits(p)]
+    return max(fits, key=lambda p: (space.quality_key(p), -lookup.speed(p)), default=None)
+
+
+# -- strategies --------------------------------------------------------------------------------------
+def run_grid(space, lookup: Lookup) -> dict | None:
+    points = list(space.points())
+    for point in points:
+        lookup.outcome(point)
+    return _best_of(space, lookup, points)
+
+
+def run_fitfinder(space, lookup: Lookup) -> dict | None:
+    known = search.Knowledge(space, lookup.limit)
+
+    def probe_step(step):
+        answer = lookup.outcome(step.point, step.steps_factor, fresh=step.purpose == "confirm")
+        return known.add(search.result_from_probe(lookup.probes, step, answer))
+
+    search.drive(space, known, probe_step, 0, TRIAL_CAP)
+    winner = search.best(space, known)
+    return winner.point if winner else None
+
+
+def run_tpe(space, lookup: Lookup, seed: int = 0) -> dict | None:
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed))
+    tried = []
+    for _ in range(TRIAL_CAP):
+        trial = study.ask()
+        point = {k.name: trial.suggest_categorical(k.name, list(k.candidates)) for k in space.knobs}
+        answer = lookup.outcome(point)
+        tried.append(point)
+        if answer["status"] != "ok":
+            trial.set_constraint("peak_over_limit", 1.0)
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+            continue
+        trial.set_constraint("peak_over_limit", answer["peak_bytes"] / lookup.limit - 1.0)
+        # Quality first; the speed only orders points of equal quality (its share stays under 1).
+        study.tell(trial, space.quality_rank(point) + 1.0 / (1.0 + lookup.speed(point)))
+    return _best_of(space, lookup, tried)
+
+
+def run_binsearch(space, lookup: Lookup) -> dict | None:
+    """Lightning's binsearch, one knob at a time in priority order, from the lightest point."""
+    point = space.lightest()
+    if not lookup.fits(point):
+        return None
+    for knob in space.knobs:
+        top = knob.level(knob.desired) if knob.role == "quality" else len(knob.candidates) - 1
+        low, high, step = 0, None, 1
+        while high is None:  # double the level until it fails or reaches the top
+            level = min(low + step, top)
+            if level == low:
+                break
+            if lookup.fits({**point, knob.name: knob.candidates[level]}):
+                low, step = level, step * 2
+            else:
+                high = level
+        while high is not None and high - low > 1:  # then bisect between the last fit and the failure
+            middle = (low + high) // 2
+            if lookup.fits({**point, knob.name: knob.candidates[middle]}):
+                low = middle
+            else:
+                high = middle
+        point[knob.name] = knob.candidates[low]
+    return point
+
+
+def run_seeds(space, lookup: Lookup) -> dict | None:
+    """The seeds' walk: roll back one move at a time until it fits, then re-add one at a time."""
+    point = space.desired()
+    moves = iter(_seed_moves(space))
+    while not lookup.fits(point):
+        point = next((m(point) for m in moves if m(point) != point), None)
+        if point is None:
+            return None
+    for raise_ in _seed_escalations(space):
+        while True:
+            heavier = raise_(point)
+            if heavier == point or not lookup.fits(heavier):
+                break
+            point = heavier
+    return point
+
+
+def _step(space, name: str, direction: int):
+    """A move of one knob by one level (down: -1, up: +1), never past the desired quality."""
+    knob = space.by_name.get(name)
+
+    def move(point: dict) -> dict:
+        if knob is None:
+            return point
+        level = knob.level(point[name]) + direction
+        top = knob.level(knob.desired) if knob.role == "quality" else len(knob.candidates) - 1
+        if not 0 <= level <= top:
+            return point
+        return {**point, name: knob.candidates[level]}
+
+    return move
+
+
+def _to_lightest(space, name: str):
+    knob = space.by_name.get(name)
+    return lambda point: point if knob is None else {**point, name: knob.candidates[0]}
+
+
+def _seed_moves(space):
+    """The seeds' rollback order (image; video starts with frames), then what the guides add."""
+    video = "frames" in space.by_name
+    moves = [_step(space, "frames", -1)] * 4 if video else []
+    moves += [_to_lightest(space, "gradient_checkpointing"), _to_lightest(space, "batch"),
+              _step(space, "buckets", -1), _step(space, "sample_frames", -1), _step(space, "sample_size", -1),
+              _step(space, "sample_size", -1), _to_lightest(space, "sampling"), _to_lightest(space, "low_vram"),
+              _to_lightest(space, "text_encoder"), _step(space, "quantize", -1), _step(space, "quantize", -1),
+              _to_lightest(space, "optimizer"), _step(space, "rank", -1), _step(space, "rank", -1),
+              _step(space, "buckets", -1), _step(space, "frames", -1)]
+    return moves
+
+
+def _seed_escalations(space):
+    """Scale back up one heavier setting at a time: bucket, richer sampling, larger batch or clips."""
+    return [_step(space, "buckets", +1), _step(space, "sampling", +1), _step(space, "sample_size", +1),
+            _step(space, "sample_frames", +1), _step(space, "batch", +1), _step(space, "frames", +1)]
+
+
+STRATEGIES = {"grid": run_grid, "tpe": run_tpe, "binsearch": run_binsearch, "seeds": run_seeds,
+              "fitfinder": run_fitfinder}
+
+
+# -- the run -------------------------------------------------------------------------------------------
+def budgets_for(space, grid) -> list[int]:
+    """Budgets from tight to loose, between the lightest point's peak and the desired point's."""
+    low = grid[space.key(space.lightest())]["peak_bytes"]
+    high = grid[space.key(space.desired())]["peak_bytes"]
+    return [int((low + (high - low) * f) / (1 - MARGIN)) for f in BUDGET_FRACTIONS]
+
+
+def verify(space, job, grid, budget, runner, count: int, rng) -> int:
+    """Re-run random points under the budget for real; count mismatches with the grid's claim."""
+    wrong = 0
+    for point in rng.sample(list(space.points()), min(count, space.size())):
+        real = runner.run(probe.request_for(space.apply(job, point), GRID_STEPS, "sim", budget))
+        claim = at_budget(grid[space.key(point)], budget)
+        if (real["status"], real.get("phase")) != (claim["status"], claim.get("phase")):
+            wrong += 1
+            print(f"  verify: {space.describe(point)}: real {real['status']}/{real.get('phase')} "
+                  f"vs grid {claim['status']}/{claim.get('phase')}", file=sys.stderr)
+    return wrong
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, help="write the summary here")
+    parser.add_argument("--only", help="only scenarios whose job name starts with this")
+    parser.add_argument("--verify", type=int, default=0, help="re-run N random points per job under a budget")
+    args = parser.parse_args()
+
+    runner = probe.ProbeRunner(timeout_s=300)
+    totals = {name: {"optimum_found": 0, "probes": 0, "probe_seconds": 0.0} for name in STRATEGIES}
+    rows, count, mismatches = [], 0, 0
+    rng = random.Random(0)
+    for name, job, space in scenarios(args.only):
+        grid = measure_grid(name, job, space, runner)
+        for budget in budgets_for(space, grid):
+            if args.verify:
+                mismatches += verify(space, job, grid, budget, runner, args.verify, rng)
+            optimum = true_optimum(space, grid, budget)
+            count += 1
+            row = {"scenario": f"{name}@{budget / 2**20:.1f}MiB", "points": space.size()}
+            for strategy, run in STRATEGIES.items():
+                lookup = Lookup(space, grid, budget)
+                found = run(space, lookup) == optimum
+                totals[strategy]["optimum_found"] += found
+                totals[strategy]["probes"] += lookup.probes
+                totals[strategy]["probe_seconds"] += lookup.seconds
+                row[strategy] = f"{lookup.probes}{'' if found else '*'}"
+            rows.append(row)
+    _print(rows, totals, count, mismatches, args.verify)
+    if args.json:
+        payload = {"scenarios": count, "strategies": {k: {**v, "probe_seconds": round(v["probe_seconds"], 1)}
+                                                      for k, v in totals.items()}}
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def _print(rows, totals, count, mismatches, verified) -> None:
+    names = list(STRATEGIES)
+    print(f"{'scenario':<24}{'points':>7}" + "".join(f"{n:>11}" for n in names))
+    for row in rows:
+        print(f"{row['scenario']:<24}{row['points']:>7}" + "".join(f"{row[n]:>11}" for n in names))
+    print("(probes per scenario; * = missed the true optimum)\n")
+    grid_probes = totals["grid"]["probes"]
+    print(f"{'strategy':<12}{'optimum found':>15}{'probes':>9}{'% of grid':>11}{'probe-seconds':>15}")
+    for name in names:
+        t = totals[name]
+        print(f"{name:<12}{t['optimum_found']:>8}/{count:<6}{t['probes']:>9}{100 * t['probes'] / grid_probes:>10.1f}%"
+              f"{t['probe_seconds']:>15.1f}")
+    ff, tpe = totals["fitfinder"]["probes"], totals["tpe"]["probes"]
+    print(f"\nfitfinder: {ff / grid_probes:.1%} of the grid's probes, {ff / tpe:.0%} of TPE's")
+    if verified:
+        print(f"grid claims re-checked under real budgets: {mismatches} mismatches")
+
+
+if __name__ == "__main__":
+    main()
