@@ -123,6 +123,26 @@ def probe(
         raise typer.Exit(1)
 
 
+@app.command()
+@_friendly
+def diagnose(
+    log: Path = typer.Argument(..., help="A failed run's training log (AI Toolkit, kohya, musubi, diffusers, PyTorch).",
+                               show_default=False),
+    job_file: Optional[Path] = typer.Option(None, "--job", help="The run's AI Toolkit job file: exact first change."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write the job with the first change here."),
+    json_output: bool = JsonOpt,
+) -> None:
+    """Say why a run ran out of memory, when, and the first change to make (written to -o with --job)."""
+    from fitfinder import diagnose as diagnosing
+    from fitfinder.output import Output
+
+    out = Output(json_output)
+    answer = diagnosing.run(log, job_file, output)
+    out.result(answer.as_json())
+    for line in answer.lines():
+        out.line(line)
+
+
 # -- shared option handling -----------------------------------------------------------------------
 def _load(job_file: Path, vram: Optional[str] = None, **options):
     """Read and validate the job file, then let command-line options win over `fitfinder:`."""
