@@ -162,3 +162,9 @@ def test_the_table_rows_are_those_of_the_guides():
         "intermittent", "environment"]
     for row in diagnose.ROWS.values():
         assert set(row.levers) | set(row.video_levers or ()) <= set(diagnose.LEVERS)
+
+
+def test_the_documented_table_is_the_one_in_the_code():
+    table = (Path(__file__).parents[1] / "docs" / "diagnose.md").read_text()
+    for row in diagnose.ROWS.values():
+        assert f"| {row.cause} |" in table, row.key
