@@ -82,6 +82,7 @@ def test_o_writes_the_changed_job_and_leaves_the_input_alone(folder):
     (("nowhere.log",), "nowhere.log: no such file"),
     (("aitk_flux_3_times_in_a_row.log", "--job", "job.yaml", "-o", "job.yaml"), "is the input job file"),
     (("aitk_flux_3_times_in_a_row.log", "-o", "fixed.yaml"), "-o: needs --job"),
+    (("aitk_flux_3_times_in_a_row.log", "--job", "job.yaml", "-o", "."), "is a folder"),
     (("aitk_flux_3_times_in_a_row.log", "--job", "nojob.yaml"), "nojob.yaml: no such file"),
     (("aitk_flux_3_times_in_a_row.log", "--job", "aitk_flux_dirty_card.log"), "not valid YAML"),
 ])

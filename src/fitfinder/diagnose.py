@@ -543,6 +543,8 @@ def _check_paths(log_path: Path, job_path: Path | None, output: Path | None) -> 
                         "(the input is never written to)")
     if output is not None and output.resolve() == log_path.resolve():
         raise UserError(f"-o {output}: is the log being read; write the changed job to another file")
+    if output is not None and output.is_dir():
+        raise UserError(f"-o {output}: is a folder; give the file to write the changed job to")
 
 
 def read_log(path: Path) -> str:

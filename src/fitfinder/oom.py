@@ -22,7 +22,7 @@ import traceback
 from dataclasses import dataclass, field, replace
 
 from fitfinder.errors import UserError
-from fitfinder.units import parse_bytes
+from fitfinder.units import format_bytes, parse_bytes
 
 PHASES = ("load", "text_encoder", "latents", "sample", "train")
 
@@ -206,8 +206,6 @@ def phase_of_frames(function_names: list[str]) -> str | None:
 
 
 def _environment_reason(verdict: Verdict, text: str, conservative: bool, occupied_at_start: bool) -> str | None:
-    from fitfinder.units import format_bytes
-
     if occupied_at_start:
         return "the card was already occupied when the job started"
     outside = verdict.outside_bytes
