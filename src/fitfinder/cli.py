@@ -61,6 +61,7 @@ def search(
     storage: Optional[str] = typer.Option(None, "--storage", help="Optuna storage URL [sqlite:///studies/NAME.db]."),
     studies_dir: Path = typer.Option(Path("studies"), "--studies-dir", help="Where SQLite studies live."),
     results_dir: Path = typer.Option(Path("results"), "--results-dir", help="Where results/NAME/ goes."),
+    force: bool = typer.Option(False, "--force", help="Search even if the GPU preflight finds the card not clean."),
     json_output: bool = JsonOpt,
 ) -> None:
     """Search the best configuration that fits; export it as results/NAME/best.yaml."""
@@ -71,6 +72,10 @@ def search(
     out = Output(json_output)
     job = _load(job_file, vram=vram, margin=margin, trials=trials, probe_steps=probe_steps, timeout=timeout)
     meter, gpu_index = _meter(gpu, job, out)
+    if meter == "cuda":  # a dirty card would prune configurations that fit: check it first
+        from fitfinder import preflight
+
+        preflight.ensure_clean(gpu_index, job.settings.vram_bytes, out, force=force)
     name = _study_name(study or job.name)
     options = searching.SearchOptions(study_name=name, meter=meter, gpu=gpu_index, storage=storage,
                                       studies_dir=studies_dir, results_dir=results_dir)
@@ -125,6 +130,26 @@ def probe(
         out.line(result["error"])
     if result["status"] in ("error", "timeout"):
         raise typer.Exit(1)
+
+
+@app.command()
+@_friendly
+def diagnose(
+    log: Path = typer.Argument(..., help="A failed run's training log (AI Toolkit, kohya, musubi, diffusers, PyTorch).",
+                               show_default=False),
+    job_file: Optional[Path] = typer.Option(None, "--job", help="The run's AI Toolkit job file: exact first change."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write the job with the first change here."),
+    json_output: bool = JsonOpt,
+) -> None:
+    """Say why a run ran out of memory, when, and the first change to make (written to -o with --job)."""
+    from fitfinder import diagnose as diagnosing
+    from fitfinder.output import Output
+
+    out = Output(json_output)
+    answer = diagnosing.run(log, job_file, output)
+    out.result(answer.as_json())
+    for line in answer.lines():
+        out.line(line)
 
 
 # -- shared option handling -----------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Errors that reach the user as one line (exit code 2 for bad input, 1 for a failed run)."""
+"""Errors that reach the user as one line (exit code 2 for bad input, 1 for a failed run, 3 for a
+card that is not clean)."""
 
 from __future__ import annotations
 
@@ -23,3 +24,11 @@ class RunFailed(Exception):
     """The run worked as designed but has no answer to give (nothing fits). Exit code 1."""
 
     exit_code = 1
+
+
+class CardNotClean(RunFailed):
+    """The GPU was not clean before a search (another process, memory in use, a failed test
+    allocation). Exit code 3: neither bad input nor a search without an answer, but a card or
+    worker to fix or replace, which a scheduler can tell apart."""
+
+    exit_code = 3

@@ -1,0 +1,95 @@
+"""`fitfinder diagnose` as a user runs it: exit codes, --json, -o, and bad input as one line."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_cli
+from tests.test_diagnose import JOB
+
+LOGS = Path(__file__).parent / "logs"
+JSON_KINDS = {"oom": bool, "kind": str, "phase": str, "step": (int, type(None)), "first_change": str}
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    for name in ("aitk_flux_3_times_in_a_row.log", "aitk_flux_dirty_card.log", "pytorch_not_oom_shapes.log"):
+        shutil.copy(LOGS / name, tmp_path / name)
+    (tmp_path / "job.yaml").write_text(JOB)
+    return tmp_path
+
+
+def _json(result) -> dict:
+    assert result.returncode == 0, result.stderr
+    [line] = result.stdout.splitlines()  # one JSON object on stdout; the lines for people go to stderr
+    answer = json.loads(line)
+    for key, kind in JSON_KINDS.items():
+        assert isinstance(answer[key], kind), key
+    return answer
+
+
+def test_json_answer_has_the_promised_shape(folder):
+    answer = _json(run_cli("diagnose", "aitk_flux_3_times_in_a_row.log", "--json", cwd=folder))
+    assert {k: answer[k] for k in JSON_KINDS} == {
+        "oom": True, "kind": "config", "phase": "train", "step": 3,
+        "first_change": "turn gradient checkpointing on (train.gradient_checkpointing: false -> true)"}
+    assert answer["when"] == "steps_1_10" and answer["written"] is None
+
+
+def test_environment_says_do_not_relaunch(folder):
+    answer = _json(run_cli("diagnose", "aitk_flux_dirty_card.log", "--json", cwd=folder))
+    assert (answer["kind"], answer["phase"], answer["step"]) == ("environment", "load", None)
+    assert answer["first_change"].startswith("do not relaunch")
+
+
+def test_a_log_without_an_oom_points_to_its_error(folder):
+    result = run_cli("diagnose", "pytorch_not_oom_shapes.log", cwd=folder)
+    assert result.returncode == 0, result.stderr
+    assert "not an out-of-memory failure" in result.stdout
+    assert "error at line 15: RuntimeError: mat1 and mat2 shapes cannot be multiplied" in result.stdout
+    answer = _json(run_cli("diagnose", "pytorch_not_oom_shapes.log", "--json", cwd=folder))
+    assert (answer["oom"], answer["kind"], answer["phase"], answer["step"]) == (False, "not_oom", "unknown", None)
+    assert answer["error"] == "RuntimeError: mat1 and mat2 shapes cannot be multiplied (2x4096 and 3072x3072)"
+
+
+def test_output_for_people(folder):
+    result = run_cli("diagnose", "aitk_flux_3_times_in_a_row.log", cwd=folder)
+    assert result.returncode == 0 and result.stderr == ""
+    assert "  kind: config    when: in steps 1-10, step 3    phase: train" in result.stdout
+    assert "  first change: turn gradient checkpointing on" in result.stdout
+
+
+def test_o_writes_the_changed_job_and_leaves_the_input_alone(folder):
+    job = folder / "job.yaml"
+    before = job.read_bytes()
+    answer = _json(run_cli("diagnose", "aitk_flux_3_times_in_a_row.log", "--job", "job.yaml", "-o", "fixed.yaml",
+                           "--json", cwd=folder))
+    assert answer["written"] == "fixed.yaml" and job.read_bytes() == before
+    assert answer["changes"] == [{"key": "train.gradient_checkpointing", "old": False, "new": True}]
+    header, body = (folder / "fixed.yaml").read_text().split("# my Flux LoRA", 1)
+    assert header.startswith("# fitfinder diagnose: the first change")
+    before_lines, after_lines = JOB.splitlines(), ("# my Flux LoRA" + body).splitlines()
+    assert len(before_lines) == len(after_lines)
+    changed = [(a, b) for a, b in zip(before_lines, after_lines) if a != b]
+    assert changed == [("        gradient_checkpointing: false   # off: faster",
+                        "        gradient_checkpointing: true    # off: faster")]
+    assert not [p for p in folder.iterdir() if p.name.startswith(".fixed.yaml")]  # no temporary file left
+
+
+@pytest.mark.parametrize("args, expected", [
+    (("nowhere.log",), "nowhere.log: no such file"),
+    (("aitk_flux_3_times_in_a_row.log", "--job", "job.yaml", "-o", "job.yaml"), "is the input job file"),
+    (("aitk_flux_3_times_in_a_row.log", "-o", "fixed.yaml"), "-o: needs --job"),
+    (("aitk_flux_3_times_in_a_row.log", "--job", "job.yaml", "-o", "."), "is a folder"),
+    (("aitk_flux_3_times_in_a_row.log", "--job", "nojob.yaml"), "nojob.yaml: no such file"),
+    (("aitk_flux_3_times_in_a_row.log", "--job", "aitk_flux_dirty_card.log"), "not valid YAML"),
+])
+def test_bad_input_is_one_line_and_exit_2(folder, args, expected):
+    result = run_cli("diagnose", *args, cwd=folder)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and expected in lines[0], result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert (folder / "job.yaml").read_text() == JOB and not (folder / "fixed.yaml").exists()

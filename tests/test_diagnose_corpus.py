@@ -1,0 +1,37 @@
+"""The corpus: real-format log excerpts of every trainer and failure moment, each with its diagnosis.
+
+Each log in tests/logs/ is written in its trainer's own output format (AI Toolkit, kohya sd-scripts,
+musubi-tuner, diffusers example scripts, plain PyTorch) with the error messages those tools and
+PyTorch print; tests/logs/expected.json holds what `fitfinder diagnose` must answer for it.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fitfinder import diagnose
+
+LOGS = Path(__file__).parent / "logs"
+EXPECTED = json.loads((LOGS / "expected.json").read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_log_is_diagnosed_exactly(name):
+    expected = EXPECTED[name]
+    answer = diagnose.diagnose(diagnose.read_log(LOGS / name), None, name).as_json()
+    assert {key: answer[key] for key in expected} == expected
+
+
+def test_every_log_has_an_expected_diagnosis():
+    assert sorted(path.name for path in LOGS.glob("*.log")) == sorted(EXPECTED)
+
+
+def test_the_corpus_covers_every_trainer_and_moment():
+    answers = [EXPECTED[name] for name in EXPECTED]
+    assert {a["trainer"] for a in answers} == {"ai-toolkit", "kohya", "musubi", "diffusers", "pytorch"}
+    assert {a["when"] for a in answers if a["oom"]} == {"before_step_1", "sample", "steps_1_10", "later",
+                                                         "intermittent"}
+    assert {a["phase"] for a in answers if a["oom"]} == {"load", "text_encoder", "latents", "sample", "train"}
+    assert {a["kind"] for a in answers} == {"config", "environment", "not_oom"}
+    assert len(answers) >= 15

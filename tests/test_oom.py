@@ -1,0 +1,157 @@
+"""The one OOM classifier: exceptions and log text -> OOM or not, config or environment, and where."""
+
+import pytest
+
+from fitfinder import oom
+
+GiB, MiB = 2**30, 2**20
+
+# PyTorch >= 2.2, with another process on the card.
+NEW = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of "
+       "23.64 GiB of which 0 bytes is free. Process 2231 has 20.87 GiB memory in use. Including non-PyTorch memory, "
+       "this process has 2.74 GiB memory in use. Of the allocated memory 2.50 GiB is allocated by PyTorch, and "
+       "100.00 MiB is reserved by PyTorch but unallocated.")
+# PyTorch 2.1 printed "capacty".
+TYPO = ("torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.15 GiB. GPU 0 has a total capacty of "
+        "23.69 GiB of which 912.00 MiB is free. Including non-PyTorch memory, this process has 22.79 GiB memory in "
+        "use. Of the allocated memory 21.50 GiB is allocated by PyTorch, and 1000.00 MiB is reserved by PyTorch but "
+        "unallocated.")
+# PyTorch before 2.1.
+OLD = ("RuntimeError: CUDA out of memory. Tried to allocate 146.00 MiB (GPU 0; 8.00 GiB total capacity; 7.25 GiB "
+       "already allocated; 0 bytes free; 7.50 GiB reserved in total by PyTorch) If reserved memory is >> allocated "
+       "memory try setting max_split_size_mb to avoid fragmentation.")
+
+
+@pytest.mark.parametrize("text, numbers", [
+    (NEW, dict(tried_bytes=20 * MiB, total_bytes=int(23.64 * GiB), free_bytes=0, process_bytes=int(2.74 * GiB),
+               reserved_bytes=int(2.5 * GiB) + 100 * MiB, unallocated_bytes=100 * MiB,
+               other_process_bytes=int(20.87 * GiB))),
+    (TYPO, dict(tried_bytes=int(1.15 * GiB), total_bytes=int(23.69 * GiB), free_bytes=912 * MiB,
+                process_bytes=int(22.79 * GiB), reserved_bytes=int(21.5 * GiB) + 1000 * MiB,
+                unallocated_bytes=1000 * MiB, other_process_bytes=None)),
+    (OLD, dict(tried_bytes=146 * MiB, total_bytes=8 * GiB, free_bytes=0, process_bytes=None,
+               reserved_bytes=int(7.5 * GiB), unallocated_bytes=int(7.5 * GiB) - int(7.25 * GiB),
+               other_process_bytes=None)),
+], ids=["pytorch>=2.2", "pytorch-2.1-capacty", "pytorch<2.1"])
+def test_the_numbers_of_every_message_format(text, numbers):
+    verdict = oom.classify(text)
+    assert verdict.is_oom and verdict.marker == "CUDA out of memory"
+    assert {key: getattr(verdict, key) for key in numbers} == numbers
+
+
+def test_memory_held_outside_this_process_is_the_environment_whatever_the_config():
+    verdict = oom.classify(NEW, conservative=False)
+    assert verdict.kind == "environment"
+    assert verdict.outside_bytes == int(23.64 * GiB) - int(2.74 * GiB)
+    assert "held outside this process" in verdict.reason
+
+
+def test_a_full_card_held_by_this_process_is_the_config():
+    verdict = oom.classify(TYPO, conservative=True)
+    assert verdict.kind == "config" and verdict.reason is None
+
+
+@pytest.mark.parametrize("text", [OLD, "RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling "
+                                       "`cublasCreate(handle)`"], ids=["0 bytes free", "cublas"])
+def test_nothing_free_is_the_environment_only_at_a_conservative_config(text):
+    assert oom.classify(text, conservative=False).kind == "config"
+    verdict = oom.classify(text, conservative=True)
+    assert verdict.kind == "environment" and "conservative configuration" in verdict.reason
+
+
+def test_a_card_occupied_at_start_is_the_environment():
+    verdict = oom.classify("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.",
+                           occupied_at_start=True)
+    assert (verdict.is_oom, verdict.kind, verdict.reason) == (
+        True, "environment", "the card was already occupied when the job started")
+
+
+@pytest.mark.parametrize("marker", [m for m, _ in oom.OOM_MARKERS])
+def test_every_known_string_is_an_oom(marker):
+    verdict = oom.classify(f"something failed: {marker} (details)")
+    assert (verdict.is_oom, verdict.marker) == (True, marker)
+
+
+def test_an_exception_is_classified_with_its_phase_from_the_traceback():
+    import torch
+
+    def sample():  # the name AI Toolkit's sampling method has
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB. GPU 0 has a total capacity "
+                                     "of 24.00 GiB of which 1.00 GiB is free.")
+
+    try:
+        sample()
+    except torch.OutOfMemoryError as exc:
+        verdict = oom.classify(exc, conservative=True)
+    assert (verdict.is_oom, verdict.kind, verdict.phase) == (True, "config", "sample")
+    assert (verdict.tried_bytes, verdict.free_bytes, verdict.total_bytes) == (4 * GiB, GiB, 24 * GiB)
+
+
+def test_an_oom_type_without_a_known_message_is_still_an_oom():
+    class OutOfMemoryError(RuntimeError):  # the sim meter raises torch's type with its own message
+        pass
+
+    verdict = oom.classify(OutOfMemoryError("budget exceeded: 6.1 MiB live > 5.8 MiB"))
+    assert (verdict.is_oom, verdict.kind, verdict.marker) == (True, "config", "OutOfMemoryError")
+
+
+def test_anything_else_is_not_an_oom():
+    verdict = oom.classify(ValueError("mat1 and mat2 shapes cannot be multiplied (2x4096 and 3072x3072)"))
+    assert (verdict.is_oom, verdict.kind, verdict.message) == (
+        False, "not_oom", "ValueError: mat1 and mat2 shapes cannot be multiplied (2x4096 and 3072x3072)")
+
+
+@pytest.mark.parametrize("frames, phase", [
+    (["main", "log_validation", "from_pretrained", "to"], "sample"),  # a validation that loads a pipeline
+    (["run", "hook_train_loop", "train_single_accumulation", "encode_prompt", "forward"], "text_encoder"),
+    (["train", "backward", "_engine_run_backward"], "train"),
+    (["run", "load_model", "quantize_model", "to"], "load"),
+    (["main", "forward", "linear"], None),
+])
+def test_the_phase_a_traceback_names(frames, phase):
+    assert oom.phase_of_frames(frames) == phase
+
+
+# -- whole logs ------------------------------------------------------------------------------------------
+def test_tqdm_redraws_on_one_line_are_followed_to_the_last_step():
+    bars = "\r".join(f"steps:  {n}%|#  | {n}/100 [00:0{n}<01:00, 1.0s/it, avr_loss=0.1]" for n in range(5))
+    log = f"running training / 学習開始\n{bars}\n{NEW}\n"
+    scan = oom.scan_log(log)
+    assert [(e.line, e.phase, e.step, e.recovered) for e in scan.events] == [(3, "train", 5, False)]
+    assert (scan.last_step, scan.total_steps) == (4, 100)
+
+
+def test_an_oom_the_trainer_survived_is_recovered():
+    log = "\n".join([
+        "# Running job: myjob",
+        "myjob:   1%|          | 10/1000 [00:10<16:30,  1.0s/it, lr: 1.0e-04 loss: 1.0e-01]",
+        "# OOM during training step, skipping batch 1/3 #",
+        "myjob:   1%|          | 11/1000 [00:12<16:30,  1.0s/it, lr: 1.0e-04 loss: 1.0e-01]",
+        "myjob:   1%|          | 12/1000 [00:13<16:30,  1.0s/it, lr: 1.0e-04 loss: 1.0e-01]",
+    ])
+    [event] = oom.scan_log(log).events
+    assert (event.line, event.step, event.recovered, event.skipped_batches) == (3, 11, True, 1)
+
+
+def test_the_lines_of_one_failure_make_one_event():
+    log = "\n".join([
+        "steps:   0%|          | 2/1600 [00:09<2:08:32,  4.83s/it, avr_loss=0.108]",
+        "Error running job: CUDA out of memory. Tried to allocate 20.00 MiB.",
+        "Traceback (most recent call last):",
+        '  File "/x/train.py", line 9, in backward',
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB.",
+        "steps:   0%|          | 2/1600 [00:11<2:33:40,  5.77s/it, avr_loss=0.108]",  # tqdm's last redraw
+    ])
+    [event] = oom.scan_log(log).events
+    assert (event.line, event.phase, event.step, event.recovered) == (2, "train", 3, False)
+
+
+def test_a_log_without_an_oom_points_to_the_error_that_is_there():
+    log = "\n".join([
+        "Traceback (most recent call last):",
+        '  File "train.py", line 3, in <module>',
+        "KeyError: 'text_encoder_2'",
+        "subprocess.CalledProcessError: Command '['python', 'train.py']' returned non-zero exit status 1.",
+    ])
+    scan = oom.scan_log(log)
+    assert (scan.events, scan.last_error, scan.last_error_line) == ((), "KeyError: 'text_encoder_2'", 3)
