@@ -90,13 +90,13 @@ def test_killed_search_resumes_without_rerunning_finished_trials(workdir):
 
 
 def test_crashed_hung_and_silent_probes_are_recorded_and_the_search_goes_on(workdir):
-    done = run_cli("search", "configs/demo.yaml", "--json", "--timeout", "20", cwd=workdir,
+    done = run_cli("search", "configs/demo.yaml", "--json", "--timeout", "30", cwd=workdir,
                    FITFINDER_PROBE_FAULT="1:abort,2:hang,3:silent")
     assert done.returncode == 0, done.stderr
     storage = f"sqlite:///{workdir / 'studies' / 'demo_flux_lora.db'}"
     trials = optuna.load_study(study_name="demo_flux_lora", storage=storage).trials
     reasons = {t.number: (t.state.name, t.user_attrs.get("status"), t.user_attrs.get("error")) for t in trials[1:4]}
     assert reasons[1][:2] == ("FAIL", "error") and "SIGABRT" in reasons[1][2]
-    assert reasons[2][:2] == ("FAIL", "timeout") and "20 s timeout" in reasons[2][2]
+    assert reasons[2][:2] == ("FAIL", "timeout") and "30 s timeout" in reasons[2][2]
     assert reasons[3][:2] == ("FAIL", "error") and "without a result line" in reasons[3][2]
     assert json.loads(done.stdout)["status"] == "fit"
