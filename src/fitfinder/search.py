@@ -257,7 +257,7 @@ def run(job, options: SearchOptions, out) -> SearchSummary:
             result = known.add(_result(trial.number, point, outcome))
             studies.record(study, trial, space, result, outcome, limit)
             probes_run += 1
-            out.line(_trial_line(space, result, budget))
+            out.trial(space, result, budget)
             out.advance()
             _stop_if_probes_keep_failing(known, log_dir)
             point = plan(space, known)
@@ -308,18 +308,6 @@ def _finish(job, space, study, known, options, settings, url, probes_run, proven
                          trials=len(study.trials), probes_run=probes_run, proven=proven, best=winner,
                          best_point=winner.point if winner else None, best_file=best_file,
                          budget_bytes=budget, limit_bytes=limit, space=space, lightest=lightest)
-
-
-def _trial_line(space: Space, result: Result, budget: int | None) -> str:
-    from fitfinder.output import usage_bar
-
-    speed = f"{result.extra.get('seconds_per_step'):.3f} s/step" if result.extra.get("seconds_per_step") else ""
-    status = result.status if result.status != "ok" or result.verdict == FIT else "over margin"
-    where = f" in {result.phase}" if result.phase and result.status != "ok" else ""
-    text = f"trial {result.trial:3d}  {space.describe(result.point)}  {status}{where}  {usage_bar(result.peak_bytes, budget)}  {speed}"
-    if result.status in ("error", "timeout") and result.error:
-        text += f"\n           {result.error[:300]}"
-    return text.rstrip()
 
 
 def _fmt(n: int | None) -> str:
