@@ -26,6 +26,10 @@ JobArg = typer.Argument(..., help="AI Toolkit job file (YAML); it is never writt
 GpuOpt = typer.Option(None, "--gpu", help="Measure on this CUDA device (index). Without a GPU: the sim meter.")
 VramOpt = typer.Option(None, "--vram", help="Memory budget, e.g. 24GiB (overrides `fitfinder: vram`).")
 JsonOpt = typer.Option(False, "--json", help="End with one JSON object on stdout; progress goes to stderr.")
+NameArg = typer.Argument(..., help="Study name (as in studies/NAME.db and results/NAME/).", show_default=False)
+StorageOpt = typer.Option(None, "--storage", help="Optuna storage URL [sqlite:///studies/NAME.db].")
+StudiesDirOpt = typer.Option(Path("studies"), "--studies-dir", help="Where SQLite studies live.")
+ResultsDirOpt = typer.Option(Path("results"), "--results-dir", help="Where results/NAME/ goes.")
 
 
 def _friendly(command):
@@ -77,16 +81,19 @@ def search(
     summary = searching.run(job, options, out)
     space_ = summary.space
     out.result(summary.as_json())
+    report_file = results_dir / name / "report.html"
     if summary.best is None:
         lightest = summary.lightest
         detail = (f"; the lightest point tried (trial {lightest.trial}: {space_.describe(lightest.point)}) "
                   f"peaked at {format_bytes(lightest.peak_bytes)}" if lightest else "")
+        out.line(f"report: {report_file}")
         raise RunFailed(f"nothing fits in {format_bytes(summary.budget_bytes)}{detail}; "
                         "try a larger --vram, or lighter candidates in the `fitfinder:` section")
     out.line(f"best: {space_.describe(summary.best_point)}  peak {format_bytes(summary.best.peak_bytes)} "
              f"of {format_bytes(summary.budget_bytes)}  ({summary.probes_run} probes"
              f"{'' if summary.proven else ', not proven: trial cap reached'})")
     out.line(f"wrote {summary.best_file}")
+    out.line(f"report: {report_file}")
 
 
 @app.command()
@@ -123,7 +130,34 @@ def probe(
         raise typer.Exit(1)
 
 
+@app.command()
+@_friendly
+def report(
+    name: str = NameArg,
+    job: Optional[Path] = typer.Option(None, "--job", help="The job file the study was made from [as recorded]."),
+    storage: Optional[str] = StorageOpt,
+    studies_dir: Path = StudiesDirOpt,
+    results_dir: Path = ResultsDirOpt,
+    json_output: bool = JsonOpt,
+) -> None:
+    """Write results/NAME/report.html (plots, one file), summary.json and trials.csv from the study."""
+    from fitfinder import report as reporting
+    from fitfinder.output import Output
+
+    out = Output(json_output)
+    view = reporting.open_study(name, studies_dir, storage, job)
+    out_dir = results_dir / name
+    trials_csv = reporting.write_trials_csv(view.study, view.space, out_dir / "trials.csv")
+    summary = reporting.summary_of(view, out_dir)
+    paths = reporting.write_report(view.study, view.space, view.known, out_dir, summary)
+    out.result({**summary, "report": str(paths["report"]), "summary": str(paths["summary"]),
+                "trials_csv": str(trials_csv)})
+    out.line(f"wrote {paths['report']}, {paths['summary'].name} and {trials_csv.name} "
+             f"({len(view.known.results)} probes, {'a fit' if summary['best'] else 'nothing fits'})")
+
+
 # -- shared option handling -----------------------------------------------------------------------
+
 def _load(job_file: Path, vram: Optional[str] = None, **options):
     """Read and validate the job file, then let command-line options win over `fitfinder:`."""
     from fitfinder import jobconfig

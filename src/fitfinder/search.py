@@ -304,10 +304,12 @@ def _finish(job, space, study, known, options, settings, url, probes_run, proven
         best_file = str(report.export_best(job, space, winner.point, results_dir, facts))
     lightest = min((r for r in known.results if r.peak_bytes),
                    key=lambda r: (sum(k.level(r.point[k.name]) for k in space.knobs), r.peak_bytes), default=None)
-    return SearchSummary(status="fit" if winner else "none", study=options.study_name, storage=url,
-                         trials=len(study.trials), probes_run=probes_run, proven=proven, best=winner,
-                         best_point=winner.point if winner else None, best_file=best_file,
-                         budget_bytes=budget, limit_bytes=limit, space=space, lightest=lightest)
+    summary = SearchSummary(status="fit" if winner else "none", study=options.study_name, storage=url,
+                            trials=len(study.trials), probes_run=probes_run, proven=proven, best=winner,
+                            best_point=winner.point if winner else None, best_file=best_file,
+                            budget_bytes=budget, limit_bytes=limit, space=space, lightest=lightest)
+    report.write_report(study, space, known, results_dir, summary.as_json())  # summary.json, report.html
+    return summary
 
 
 def _fmt(n: int | None) -> str:
