@@ -156,6 +156,31 @@ def report(
              f"({len(view.known.results)} probes, {'a fit' if summary['best'] else 'nothing fits'})")
 
 
+@app.command()
+@_friendly
+def dashboard(
+    study_db: Optional[str] = typer.Argument(None, help="studies/NAME.db, a study NAME or a storage URL "
+                                                        "[the one study in --studies-dir].", show_default=False),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; 0.0.0.0 offers it to the network."),
+    port: int = typer.Option(8080, "--port", help="Port to listen on; 0 picks a free one."),
+    studies_dir: Path = StudiesDirOpt,
+) -> None:
+    """Serve the Optuna dashboard of a study on this machine; Ctrl-C stops it."""
+    from fitfinder import dashboard as dashboards
+    from fitfinder.output import Output
+
+    out = Output()
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port: must be between 0 and 65535, got {port}")
+    url, shown = dashboards.storage_for(study_db, studies_dir)
+    server = dashboards.Dashboard(url, host, port)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        out.note(f"listening on {host}: whoever can reach this machine can read, edit and delete the study")
+    out.note(f"dashboard of {shown} at {server.url}  (Ctrl-C stops it)")
+    server.serve()
+    out.note("dashboard stopped")
+
+
 # -- shared option handling -----------------------------------------------------------------------
 
 def _load(job_file: Path, vram: Optional[str] = None, **options):
