@@ -158,6 +158,38 @@ def report(
 
 @app.command()
 @_friendly
+def export(
+    name: str = NameArg,
+    fmt: str = typer.Option("kohya", "--format", help="kohya: sd-scripts / musubi-tuner settings and command."),
+    results_dir: Path = ResultsDirOpt,
+    json_output: bool = JsonOpt,
+) -> None:
+    """Write the winner (results/NAME/best.yaml) for another trainer, and say what has no equivalent."""
+    from fitfinder import jobconfig, kohya
+    from fitfinder.output import Output
+
+    out = Output(json_output)
+    if fmt != "kohya":
+        raise UserError(f"--format: expected kohya, got {fmt!r} (the AI Toolkit job file is results/NAME/best.yaml)")
+    best = results_dir / name / "best.yaml"
+    if not best.is_file():
+        known = sorted(p.parent.name for p in results_dir.glob("*/best.yaml"))
+        raise UserError(f"{best}: no such file; no search of {name!r} has found a fit here"
+                        + (f" (winners in {results_dir}/: {', '.join(known)})" if known else
+                           "; run `fitfinder search JOB.yaml` first"))
+    done = kohya.write(jobconfig.load(best), results_dir / name)
+    out.result({"format": fmt, "trainer": done.trainer.repo, "script": done.trainer.script,
+                "files": [str(f) for f in done.files], "settings": [vars(r) for r in done.rows]})
+    out.table(["AI Toolkit setting", "value", "kohya", "match"],
+              [[r.setting, _short(r.value), r.kohya, r.kind + (f": {r.note}" if r.note else "")] for r in done.rows])
+    unmatched = [r for r in done.rows if r.kind != "exact"]
+    out.line(f"wrote {', '.join(str(f) for f in done.files)} for {done.trainer.repo} {done.trainer.script}"
+             + (f"; {len(unmatched)} settings are not the same there (see above and the head of kohya.toml)"
+                if unmatched else "; every setting has an exact equivalent"))
+
+
+@app.command()
+@_friendly
 def dashboard(
     study_db: Optional[str] = typer.Argument(None, help="studies/NAME.db, a study NAME or a storage URL "
                                                         "[the one study in --studies-dir].", show_default=False),
@@ -182,6 +214,10 @@ def dashboard(
 
 
 # -- shared option handling -----------------------------------------------------------------------
+def _short(value) -> str:
+    text = str(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
 
 def _load(job_file: Path, vram: Optional[str] = None, **options):
     """Read and validate the job file, then let command-line options win over `fitfinder:`."""
