@@ -12,7 +12,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.yaml"
-REFERENCE = ROOT.parent / "shared" / "reference" / "configs"
+# The project's shared folder sits beside the main checkout; a git worktree lies deeper.
+REFERENCE = next((parent / "shared" / "reference" / "configs" for parent in ROOT.parents
+                  if (parent / "shared" / "reference" / "configs").is_dir()),
+                 ROOT.parent / "shared" / "reference" / "configs")
 
 
 def cli_env(**extra: str) -> dict[str, str]:
