@@ -46,3 +46,17 @@ def workdir(tmp_path: Path) -> Path:
     (tmp_path / "configs").mkdir()
     shutil.copy(DEMO, tmp_path / "configs" / "demo.yaml")
     return tmp_path
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory, model_cache) -> tuple[Path, dict]:
+    """The demo searched once per session (real probes, ~20 s): its folder and its JSON summary.
+    Tests read it; a test that writes into it must only rewrite what the search wrote."""
+    import json
+
+    folder = tmp_path_factory.mktemp("demo-run")
+    (folder / "configs").mkdir()
+    shutil.copy(DEMO, folder / "configs" / "demo.yaml")
+    done = run_cli("search", "configs/demo.yaml", "--json", cwd=folder)
+    assert done.returncode == 0, done.stderr
+    return folder, json.loads(done.stdout)

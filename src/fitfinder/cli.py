@@ -26,6 +26,10 @@ JobArg = typer.Argument(..., help="AI Toolkit job file (YAML); it is never writt
 GpuOpt = typer.Option(None, "--gpu", help="Measure on this CUDA device (index). Without a GPU: the sim meter.")
 VramOpt = typer.Option(None, "--vram", help="Memory budget, e.g. 24GiB (overrides `fitfinder: vram`).")
 JsonOpt = typer.Option(False, "--json", help="End with one JSON object on stdout; progress goes to stderr.")
+NameArg = typer.Argument(..., help="Study name (as in studies/NAME.db and results/NAME/).", show_default=False)
+StorageOpt = typer.Option(None, "--storage", help="Optuna storage URL [sqlite:///studies/NAME.db].")
+StudiesDirOpt = typer.Option(Path("studies"), "--studies-dir", help="Where SQLite studies live.")
+ResultsDirOpt = typer.Option(Path("results"), "--results-dir", help="Where results/NAME/ goes.")
 
 
 def _friendly(command):
@@ -82,10 +86,12 @@ def search(
     summary = searching.run(job, options, out)
     space_ = summary.space
     out.result(summary.as_json())
+    report_file = results_dir / name / "report.html"
     if summary.best is None:
         lightest = summary.lightest
         detail = (f"; the lightest point tried (trial {lightest.trial}: {space_.describe(lightest.point)}) "
                   f"peaked at {format_bytes(lightest.peak_bytes)}" if lightest else "")
+        out.line(f"report: {report_file}")
         raise RunFailed(f"nothing fits in {format_bytes(summary.budget_bytes)}{detail}; "
                         "try a larger --vram, or lighter candidates in the `fitfinder:` section")
     rows = [[row["knob"], space_.by_name[row["knob"]].label(row["desired"]),
@@ -96,6 +102,7 @@ def search(
              f"of {format_bytes(summary.budget_bytes)}  ({summary.probes_run} probes"
              f"{'' if summary.proven else ', not proven: trial cap reached'})")
     out.line(f"wrote {summary.best_file}")
+    out.line(f"report: {report_file}")
 
 
 @app.command()
@@ -152,7 +159,95 @@ def diagnose(
         out.line(line)
 
 
+@app.command()
+@_friendly
+def report(
+    name: str = NameArg,
+    job: Optional[Path] = typer.Option(None, "--job", help="The job file the study was made from [as recorded]."),
+    storage: Optional[str] = StorageOpt,
+    studies_dir: Path = StudiesDirOpt,
+    results_dir: Path = ResultsDirOpt,
+    json_output: bool = JsonOpt,
+) -> None:
+    """Write results/NAME/report.html (plots, one file), summary.json and trials.csv from the study."""
+    from fitfinder import report as reporting
+    from fitfinder.output import Output
+
+    out = Output(json_output)
+    view = reporting.open_study(name, studies_dir, storage, job)
+    out_dir = results_dir / name
+    trials_csv = reporting.write_trials_csv(view.study, view.space, out_dir / "trials.csv")
+    summary = reporting.summary_of(view, out_dir)
+    paths = reporting.write_report(view.study, view.space, view.known, out_dir, summary)
+    out.result({**summary, "report": str(paths["report"]), "summary": str(paths["summary"]),
+                "trials_csv": str(trials_csv)})
+    out.line(f"wrote {paths['report']}, {paths['summary'].name} and {trials_csv.name} "
+             f"({len(view.known.results)} probes, {'a fit' if summary['best'] else 'nothing fits'})")
+
+
+@app.command()
+@_friendly
+def export(
+    name: str = NameArg,
+    fmt: str = typer.Option("kohya", "--format", help="kohya: sd-scripts / musubi-tuner settings and command."),
+    results_dir: Path = ResultsDirOpt,
+    json_output: bool = JsonOpt,
+) -> None:
+    """Write the winner (results/NAME/best.yaml) for another trainer, and say what has no equivalent."""
+    from fitfinder import jobconfig, kohya
+    from fitfinder.output import Output
+
+    out = Output(json_output)
+    if fmt != "kohya":
+        raise UserError(f"--format: expected kohya, got {fmt!r} (the AI Toolkit job file is results/NAME/best.yaml)")
+    best = results_dir / name / "best.yaml"
+    if not best.is_file():
+        known = sorted(p.parent.name for p in results_dir.glob("*/best.yaml"))
+        raise UserError(f"{best}: no such file; no search of {name!r} has found a fit here"
+                        + (f" (winners in {results_dir}/: {', '.join(known)})" if known else
+                           "; run `fitfinder search JOB.yaml` first"))
+    done = kohya.write(jobconfig.load(best), results_dir / name)
+    out.result({"format": fmt, "trainer": done.trainer.repo, "script": done.trainer.script,
+                "files": [str(f) for f in done.files], "settings": [vars(r) for r in done.rows]})
+    out.table(["AI Toolkit setting", "value", "kohya", "match"],
+              [[r.setting, _short(r.value), r.kohya, r.kind + (f": {r.note}" if r.note else "")] for r in done.rows])
+    unmatched = [r for r in done.rows if r.kind != "exact"]
+    out.line(f"wrote {', '.join(str(f) for f in done.files)} for {done.trainer.repo} {done.trainer.script}"
+             + (f"; {len(unmatched)} settings are not the same there (see above and the head of kohya.toml)"
+                if unmatched else "; every setting has an exact equivalent"))
+
+
+@app.command()
+@_friendly
+def dashboard(
+    study_db: Optional[str] = typer.Argument(None, help="studies/NAME.db, a study NAME or a storage URL "
+                                                        "[the one study in --studies-dir].", show_default=False),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; 0.0.0.0 offers it to the network."),
+    port: int = typer.Option(8080, "--port", help="Port to listen on; 0 picks a free one."),
+    studies_dir: Path = StudiesDirOpt,
+) -> None:
+    """Serve the Optuna dashboard of a study on this machine; Ctrl-C stops it."""
+    from fitfinder import dashboard as dashboards
+    from fitfinder.output import Output
+
+    out = Output()
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port: must be between 0 and 65535, got {port}")
+    url, shown = dashboards.storage_for(study_db, studies_dir)
+    server = dashboards.Dashboard(url, host, port)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        out.note(f"listening on {host}: whoever can reach this machine can read, edit and delete the study")
+    out.note(f"dashboard of {shown} at {server.url}  (Ctrl-C stops it)")
+    server.serve()
+    out.note("dashboard stopped")
+
+
 # -- shared option handling -----------------------------------------------------------------------
+def _short(value) -> str:
+    text = str(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _load(job_file: Path, vram: Optional[str] = None, **options):
     """Read and validate the job file, then let command-line options win over `fitfinder:`."""
     from fitfinder import jobconfig

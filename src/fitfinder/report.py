@@ -1,12 +1,23 @@
-"""What a search leaves behind in results/NAME/: the winning job file and the trials table."""
+"""What a search leaves behind in results/NAME/: the winning job file, the trials table, the
+summary (summary.json) and a one-file HTML report with plots (report.html).
+
+The report is written at the end of every search, and again by `fitfinder report NAME` from
+the study alone (plus the job file it was made from). It is one self-contained file: plotly.js
+is inlined, so it opens with no network.
+"""
 
 from __future__ import annotations
 
 import csv
+import html
 import io
+import json
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from fitfinder.errors import UserError
 from fitfinder.jobconfig import JobFile, write_atomic
 from fitfinder.space import Point, Space
 from fitfinder.units import format_bytes
@@ -63,3 +74,276 @@ def _yaml_scalar(value: Any) -> str:
 
 def _blank(value: Any) -> Any:
     return "" if value is None else value
+
+
+# -- reading a study back ------------------------------------------------------------------------
+@dataclass
+class StudyView:
+    """A study read back from its storage, with the space it was searched over."""
+
+    name: str
+    url: str
+    study: Any
+    space: Space
+    known: Any  # search.Knowledge
+    budget_bytes: int | None
+    margin: float
+    limit_bytes: int | None
+    meter: str
+
+
+def study_names(studies_dir: Path) -> list[str]:
+    return sorted(p.stem for p in Path(studies_dir).glob("*.db"))
+
+
+def open_study(name: str, studies_dir: Path, storage: str | None, job_path: Path | None = None) -> StudyView:
+    """The study NAME in `storage` (default studies/NAME.db), its space rebuilt from the job file
+    it was made from (`job_path`, or the path the study recorded)."""
+    import warnings
+
+    import optuna
+
+    from fitfinder import jobconfig, space as spaces, study as studies
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    if storage is None:
+        db = Path(studies_dir) / f"{name}.db"
+        if not db.exists():
+            here = study_names(studies_dir)
+            there = f"studies there: {', '.join(here)}" if here else "run `fitfinder search JOB.yaml` first"
+            raise UserError(f"no study {name!r} in {studies_dir}/; {there}")
+        storage = f"sqlite:///{db.resolve()}"
+    try:
+        study = optuna.load_study(study_name=name, storage=storage)
+    except KeyError:
+        raise UserError(f"no study {name!r} in {storage}") from None
+    attrs = study.user_attrs
+    job_path = Path(job_path or attrs.get("job_file") or "")
+    if not job_path.is_file():
+        raise UserError(f"study {name!r} was made from {attrs.get('job_file')!r}, which is not here; "
+                        "run from the folder the search ran in, or give --job PATH")
+    space = spaces.build(jobconfig.load(job_path))
+    if studies.space_signature(space) != attrs.get("space"):
+        raise UserError(f"{job_path} no longer gives the space study {name!r} searched; give the job file "
+                        "it was made from with --job PATH")
+    budget, margin = attrs.get("budget_bytes"), float(attrs.get("margin", 0.0))
+    limit = int(budget * (1 - margin)) if budget else None
+    known = studies.load_knowledge(study, space, limit)
+    return StudyView(name, storage, study, space, known, budget, margin, limit, str(attrs.get("meter", "")))
+
+
+def summary_of(view: StudyView, out_dir: Path) -> dict[str, Any]:
+    """The search's JSON summary, rebuilt from the study as the search would have written it."""
+    from fitfinder import search
+
+    winner = search.best(view.space, view.known)
+    best_file = Path(out_dir) / "best.yaml"
+    return search.SearchSummary(
+        status="fit" if winner else "none", study=view.name, storage=view.url, trials=len(view.study.trials),
+        probes_run=len(view.known.results), proven=search.plan(view.space, view.known) is None,
+        best=winner, best_point=winner.point if winner else None,
+        best_file=str(best_file) if winner and best_file.exists() else None,
+        budget_bytes=view.budget_bytes, limit_bytes=view.limit_bytes,
+    ).as_json()
+
+
+# -- summary.json and report.html --------------------------------------------------------------
+def write_report(study, space: Space, known, out_dir: Path, summary: dict[str, Any]) -> dict[str, Path]:
+    """results/NAME/summary.json and results/NAME/report.html; returns their paths."""
+    from fitfinder import _plots, search
+
+    attrs = study.user_attrs
+    budget, limit = attrs.get("budget_bytes"), known.limit_bytes
+    probes = probes_of(study, known)
+    winner = search.best(space, known)
+    rows = search.explain(space, known, winner.point) if winner else []
+    base = next(iter(known.probed(space.desired())), None)
+    other = winner or min((r for r in known.results if r.peak_bytes), key=lambda r: r.peak_bytes, default=None)
+    payload = {**summary, "explanation": rows,
+               "phases": {"base": _phase_facts(base), "winner": _phase_facts(winner)},
+               "files": {"report": "report.html", "summary": "summary.json", "trials": "trials.csv",
+                         "best": "best.yaml" if winner else None}}
+    out_dir = Path(out_dir)
+    summary_path = out_dir / "summary.json"
+    write_atomic(summary_path, json.dumps(payload, indent=2, default=str) + "\n")
+
+    sections = [_facts_section(study, space, known, summary, winner),
+                _explanation_section(space, known, rows, winner)]
+    if space.knobs:
+        sections.append(_figure_section(
+            "Peak memory against each knob",
+            "Every probe that measured a peak, at the value of each knob it was run with. "
+            "An OOM's peak is what was in use when it ran out.",
+            _plots.peak_by_knob(space, probes, budget, limit), "peak-by-knob"))
+        x_knob, *rest = _plots.map_knobs(space, probes)
+        center = winner.point if winner else space.desired()
+        sections.append(_figure_section(
+            "Where the wall is",
+            f"Fits or not over {x_knob.name}" + (f" and {rest[0].name}" if rest else "")
+            + f", the other knobs as in the {'winner' if winner else 'base file'} (outlined). "
+            "Light cells are implied by a probe that was lighter and fit, or heavier and did not; "
+            "dark cells were probed.",
+            _plots.fit_map(space, known, center, x_knob, rest[0] if rest else None), "fit-map"))
+    groups = [(f"base, trial {base.trial}", base.extra.get("phases", {}))] if base else []
+    if other is not None and other is not base:
+        label = "winner" if winner else "lowest peak"
+        groups.append((f"{label}, trial {other.trial}", other.extra.get("phases", {})))
+    if groups:
+        from fitfinder.space import PHASES
+
+        sections.append(_figure_section(
+            "Peak of each phase: " + (" against ".join(label.split(",")[0] for label, _ in groups[::-1])),
+            "The highest memory in use during each phase of the probe.",
+            _plots.phase_bars(groups, PHASES, budget, limit), "phases"))
+    sections.append(_figure_section("Timeline of the probes", "Each probe from its start to its end.",
+                                    _plots.timeline(space, probes), "timeline"))
+    sections.append(_trials_section(space, probes, budget))
+    report_path = out_dir / "report.html"
+    write_atomic(report_path, _page(study.study_name, sections, _plots.plotly_js()))
+    return {"report": report_path, "summary": summary_path}
+
+
+def probes_of(study, known) -> list:
+    """Every trial as a report Probe, in trial order."""
+    from optuna.trial import TrialState
+
+    from fitfinder._plots import Probe
+
+    verdicts = {r.trial: r.verdict for r in known.results}
+    probes = []
+    for trial in study.get_trials(deepcopy=False):
+        attrs = trial.user_attrs
+        status = attrs.get("status")
+        if trial.state == TrialState.RUNNING:
+            outcome = "running"
+        elif status == "ok":
+            outcome = "fit" if verdicts.get(trial.number) == "fit" else "over margin"
+        elif status in ("oom", "timeout"):
+            outcome = status
+        else:
+            outcome = "error"
+        probes.append(Probe(
+            number=trial.number, outcome=outcome, point=attrs.get("point") or dict(trial.params) or None,
+            peak_bytes=attrs.get("peak_bytes"), phases=attrs.get("phases") or {}, phase=attrs.get("phase"),
+            seconds_per_step=attrs.get("seconds_per_step"), start=trial.datetime_start,
+            end=trial.datetime_complete, error=attrs.get("error"),
+        ))
+    return probes
+
+
+def _phase_facts(result) -> dict[str, Any] | None:
+    if result is None:
+        return None
+    return {"trial": result.trial, "point": result.point, "status": result.status,
+            "peak_bytes": result.peak_bytes, "phases": result.extra.get("phases", {})}
+
+
+# -- the page ------------------------------------------------------------------------------------
+def _facts_section(study, space: Space, known, summary: dict[str, Any], winner) -> str:
+    attrs = study.user_attrs
+    counts: dict[str, int] = {}
+    for result in known.results:
+        key = "fit" if result.verdict == "fit" else ("over margin" if result.status == "ok" else result.status)
+        counts[key] = counts.get(key, 0) + 1
+    budget = attrs.get("budget_bytes")
+    facts = [
+        ("job file", attrs.get("job_file", "-")),
+        ("meter", attrs.get("meter", "-")),
+        ("budget", f"{format_bytes(budget)}, limit {format_bytes(known.limit_bytes)} after the "
+                   f"{float(attrs.get('margin', 0)):.0%} margin" if budget else "the whole card"),
+        ("space", f"{len(space.knobs)} knobs, {space.size()} points"),
+        ("probes", f"{len(known.results)} (" + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) + ")"
+                   if known.results else "none yet"),
+        ("proven", "yes: no other point can be better" if summary.get("proven")
+                   else "no: the search stopped before proving it"),
+    ]
+    if winner is not None:
+        verdict = (f"<p class='verdict fit'>Best that fits: <b>{_e(space.describe(winner.point))}</b>, "
+                   f"peak {_e(format_bytes(winner.peak_bytes))} (trial {winner.trial}).</p>")
+    else:
+        verdict = "<p class='verdict none'>Nothing that was probed fits.</p>"
+    items = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in facts)
+    return (f"<section><h1>fitfinder report: {_e(study.study_name)}</h1>{verdict}"
+            f"<table class='facts'>{items}</table></section>")
+
+
+def _explanation_section(space: Space, known, rows: list[dict[str, Any]], winner) -> str:
+    if winner is None:
+        return ("<section><h2>What was kept and what was given up</h2><p>No point fits, so nothing was "
+                "chosen. The plots below show how far the lightest probes were from the limit.</p></section>")
+    by_trial = {r.trial: r for r in known.results}
+    body = []
+    for row in rows:
+        knob = space.by_name[row["knob"]]
+        forced = by_trial.get(row["forced_by"]) if row["forced_by"] is not None else None
+        why = ""
+        if forced is not None:
+            what = forced.status if forced.status != "ok" else "over the margin"
+            where = f" in {forced.phase}" if forced.phase and forced.status != "ok" else ""
+            why = (f"trial {forced.trial}: {space.describe(forced.point)} went {what}{where} "
+                   f"({format_bytes(forced.peak_bytes)})")
+        body.append(f"<tr class='{row['verdict'].replace(' ', '-')}'><td>{_e(knob.name)}</td><td>{_e(knob.role)}</td>"
+                    f"<td>{_e(knob.label(row['desired']))}</td><td>{_e(knob.label(row['chosen']))}</td>"
+                    f"<td>{_e(row['verdict'])}</td><td>{_e(why)}</td></tr>")
+    changes = space.changes(winner.point)
+    changed = "".join(f"<li><code>{_e(path)}</code>: {_e(_yaml_scalar(old))} &rarr; {_e(_yaml_scalar(new))}</li>"
+                      for path, old, new in changes)
+    return ("<section><h2>What was kept and what was given up</h2>"
+            "<table class='grid'><tr><th>knob</th><th>role</th><th>desired</th><th>chosen</th><th>verdict</th>"
+            "<th>forced by</th></tr>" + "".join(body) + "</table>"
+            + (f"<p>Changed from the base file:</p><ul>{changed}</ul>" if changes
+               else "<p>Nothing changed: the base file fits as written.</p>") + "</section>")
+
+
+def _figure_section(title: str, note: str, fig, div_id: str) -> str:
+    from fitfinder._plots import to_div
+
+    return f"<section><h2>{_e(title)}</h2><p class='note'>{_e(note)}</p>{to_div(fig, div_id)}</section>"
+
+
+def _trials_section(space: Space, probes: list, budget: int | None) -> str:
+    rows = []
+    for p in probes:
+        share = f" ({p.peak_bytes / budget:.0%})" if budget and p.peak_bytes is not None else ""
+        rows.append(
+            f"<tr class='{p.outcome.replace(' ', '-')}'><td>{p.number}</td>"
+            + "".join(f"<td>{_e(k.label(p.point[k.name])) if p.point and k.name in p.point else ''}</td>"
+                      for k in space.knobs)
+            + f"<td>{_e(p.outcome)}{_e(' in ' + p.phase) if p.phase and p.outcome != 'fit' else ''}</td>"
+            f"<td>{_e(format_bytes(p.peak_bytes))}{share}</td>"
+            f"<td>{f'{p.seconds_per_step:.3f}' if p.seconds_per_step else ''}</td>"
+            f"<td class='error'>{_e((p.error or '')[:200])}</td></tr>")
+    head = "".join(f"<th>{_e(k.name)}</th>" for k in space.knobs)
+    return ("<section><h2>All trials</h2><table class='grid'><tr><th>trial</th>" + head
+            + "<th>outcome</th><th>peak</th><th>s/step</th><th>error</th></tr>" + "".join(rows)
+            + "</table><p class='note'>Also in trials.csv and summary.json beside this file.</p></section>")
+
+
+_CSS = """
+body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; margin: 24px auto; max-width: 1180px;
+       color: #222; padding: 0 16px; }
+h1 { font-size: 1.5em; margin-bottom: 4px; } h2 { font-size: 1.15em; margin-top: 28px; }
+section { margin-bottom: 20px; } .note { color: #555; font-size: 0.9em; margin: 4px 0 8px; }
+table { border-collapse: collapse; font-size: 0.9em; }
+.facts th { text-align: left; padding: 2px 14px 2px 0; color: #555; font-weight: normal; }
+.grid th, .grid td { border-bottom: 1px solid #ddd; padding: 4px 10px; text-align: left; }
+.grid th { background: #f5f5f5; } td.error { color: #777; font-size: 0.85em; }
+tr.given-up td:nth-child(5) { color: #b3261e; font-weight: bold; }
+tr.kept td:nth-child(5) { color: #2e7d32; } tr.gone-past td:nth-child(5) { color: #1565c0; }
+.verdict { font-size: 1.05em; padding: 8px 12px; border-radius: 4px; }
+.verdict.fit { background: #e8f5e9; } .verdict.none { background: #fdecea; }
+"""
+
+
+def _page(title: str, sections: list[str], plotly_js: str) -> str:
+    stamp = datetime.now().strftime("%Y-%m-%d %H:%M")
+    return ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
+            f"<title>fitfinder: {_e(title)}</title><style>{_CSS}</style>"
+            f"<script type='text/javascript'>{plotly_js}</script></head><body>\n"
+            + "\n".join(sections)
+            + f"\n<footer class='note'>Written by fitfinder on {stamp}.</footer></body></html>\n")
+
+
+def _e(value: Any) -> str:
+    return html.escape(str(value), quote=True)

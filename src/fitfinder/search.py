@@ -421,7 +421,7 @@ def run(job, options: SearchOptions, out) -> SearchSummary:
             raise
         result = known.add(result_from_probe(trial.number, step, outcome))
         studies.record(study, trial, space, result, outcome, limit, step.purpose)
-        out.line(_trial_line(space, result, budget, step.purpose))
+        out.trial(space, result, budget, step.purpose)
         out.advance()
         _stop_if_probes_keep_failing(known.results, log_dir)
         return result
@@ -478,25 +478,13 @@ def _finish(job, space, study, known, options, settings, url, probes_run, proven
         best_file = str(report.export_best(job, space, winner.point, results_dir, facts))
     lightest = min((r for r in known.results if r.peak_bytes),
                    key=lambda r: (sum(k.level(r.point[k.name]) for k in space.knobs), r.peak_bytes), default=None)
-    return SearchSummary(status="fit" if winner else "none", study=options.study_name, storage=url,
-                         trials=len(study.trials), probes_run=probes_run, proven=proven, best=winner,
-                         best_point=winner.point if winner else None, best_file=best_file,
-                         budget_bytes=budget, limit_bytes=limit, space=space, lightest=lightest,
-                         explanation=explain(space, known, winner.point) if winner else [])
-
-
-def _trial_line(space: Space, result: Result, budget: int | None, purpose: str = "") -> str:
-    from fitfinder.output import usage_bar
-
-    speed = f"{result.extra.get('seconds_per_step'):.3f} s/step" if result.extra.get("seconds_per_step") else ""
-    status = result.status if result.status != "ok" or result.verdict == FIT else "over margin"
-    where = f" in {result.phase}" if result.phase and result.status != "ok" else ""
-    tag = f"{purpose:<9}" if purpose else ""
-    text = (f"trial {result.trial:3d} {tag} {space.describe(result.point)}  {status}{where}  "
-            f"{usage_bar(result.peak_bytes, budget)}  {speed}")
-    if result.status in ("error", "timeout") and result.error:
-        text += f"\n           {result.error[:300]}"
-    return text.rstrip()
+    summary = SearchSummary(status="fit" if winner else "none", study=options.study_name, storage=url,
+                            trials=len(study.trials), probes_run=probes_run, proven=proven, best=winner,
+                            best_point=winner.point if winner else None, best_file=best_file,
+                            budget_bytes=budget, limit_bytes=limit, space=space, lightest=lightest,
+                            explanation=explain(space, known, winner.point) if winner else [])
+    report.write_report(study, space, known, results_dir, summary.as_json())  # summary.json, report.html
+    return summary
 
 
 def _fmt(n: int | None) -> str:

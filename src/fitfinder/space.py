@@ -56,6 +56,11 @@ class Knob:
     def label(self, value: Any) -> str:
         return _LABELS.get(self.name, str)(value)
 
+    @property
+    def short(self) -> str:
+        """The name in trial lines and tables, where width is scarce."""
+        return _SHORT.get(self.name, self.name)
+
 
 class Space:
     """Knobs in priority order: quality knobs first (most important first), then speed knobs."""
@@ -136,7 +141,7 @@ class Space:
         return rows
 
     def describe(self, point: Point) -> str:
-        return " ".join(f"{_SHORT.get(k.name, k.name)}={k.label(point[k.name])}" for k in self.knobs)
+        return " ".join(f"{k.short}={k.label(point[k.name])}" for k in self.knobs)
 
 
 def build(job: JobFile) -> Space:

@@ -1,0 +1,171 @@
+"""`fitfinder export NAME --format kohya`: the winner as kohya sd-scripts / musubi-tuner settings,
+read back to the same values."""
+
+import json
+import shutil
+
+import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from fitfinder import jobconfig, kohya, space as spaces
+from fitfinder.errors import UserError
+from tests.conftest import run_cli
+
+NAME = "demo_flux_lora"
+
+
+def _knob_values(settings: dict) -> dict:
+    """The search's knobs from AI Toolkit settings read back from kohya's files."""
+    resolutions = sorted({r for key, value in settings.items() if key.endswith(".resolution") for r in value})
+    return {"buckets": spaces.bucket_label(resolutions), "rank": settings["network.linear"],
+            "batch": settings["train.batch_size"], "gradient_checkpointing": settings["train.gradient_checkpointing"]}
+
+
+def _same(job: jobconfig.JobFile, setting: str, value) -> bool:
+    """Whether a setting read back equals the job's, in AI Toolkit's own reading of the job."""
+    if setting == "train.gradient_accumulation_steps":
+        return value == job.accumulation
+    if setting == "train.dtype":
+        return value == jobconfig.DTYPES[str(job.get("train.dtype")).lower()]
+    if setting == "train.optimizer":
+        return value == str(job.get("train.optimizer")).lower()
+    if setting.endswith(".resolution"):
+        return value == spaces.resolutions(job)
+    if setting.startswith("datasets[*]."):
+        return value == any(job.get(setting))
+    if setting == "train.disable_sampling":
+        return value == (bool(job.get("train.disable_sampling")) or not job.get("sample.prompts", None))
+    if setting == "train.cache_text_embeddings":
+        return value == bool(job.get("train.cache_text_embeddings") or job.get("train.unload_text_encoder"))
+    if setting == "sample.prompts":
+        return value == [str(p) for p in job.get("sample.prompts")]
+    if isinstance(value, bool):  # a switch the job leaves out is off
+        return value == bool(job.get(setting))
+    return value == job.get(setting) or (isinstance(value, float) and value == float(job.get(setting)))
+
+
+@pytest.mark.slow
+def test_demo_winner_round_trips_through_kohya(demo_run, tmp_path):
+    folder, summary = demo_run
+    results = tmp_path / "results"
+    shutil.copytree(folder / "results" / NAME, results / NAME, ignore=shutil.ignore_patterns("probes"))
+    done = run_cli("export", NAME, "--format", "kohya", "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    payload = json.loads(done.stdout)
+    assert payload["trainer"] == "sd-scripts" and payload["script"] == "flux_train_network.py"
+    assert {s["kind"] for s in payload["settings"]} == {"exact"}  # the demo uses nothing kohya lacks
+
+    read = kohya.read(results / NAME)
+    assert _knob_values(read) == summary["best"]  # the same knob values
+    best = jobconfig.load(results / NAME / "best.yaml")
+    different = {k: v for k, v in read.items() if not _same(best, k, v)}
+    assert different == {}
+
+    args = tomllib.loads((results / NAME / "kohya.toml").read_text())
+    flat = {k: v for section in args.values() for k, v in section.items()}
+    assert flat["network_dim"] == summary["best"]["rank"] and flat["train_batch_size"] == summary["best"]["batch"]
+    assert flat["gradient_checkpointing"] is summary["best"]["gradient_checkpointing"]
+    assert flat["gradient_accumulation_steps"] * flat["train_batch_size"] == 4  # the effective batch kept
+    assert flat["mixed_precision"] == "no" and flat["optimizer_type"] == "AdamW"
+    dataset = tomllib.loads((results / NAME / "kohya_dataset.toml").read_text())
+    assert [d["resolution"] for d in dataset["datasets"]] == [256, 384, 512]
+    assert all(d["subsets"][0]["image_dir"] == "/path/to/images/folder" for d in dataset["datasets"])
+    script = (results / NAME / "kohya.sh").read_text()
+    assert '--config_file "$here/kohya.toml"' in script and "flux_train_network.py" in script
+
+
+FLUX_JOB = """
+job: extension
+config:
+  name: flux_job
+  process:
+    - type: sd_trainer
+      network: {type: lora, linear: 16, linear_alpha: 8}
+      datasets:
+        - {folder_path: /data/photos, caption_ext: txt, cache_latents_to_disk: true, resolution: [512, 768, 1024]}
+      train: {batch_size: 2, gradient_accumulation: 2, gradient_checkpointing: true, optimizer: adamw8bit,
+              lr: 0.0001, steps: 1500, dtype: bf16, skip_first_sample: true}
+      model: {name_or_path: black-forest-labs/FLUX.1-dev, is_flux: true, quantize: true, quantize_te: false,
+              layer_offloading: true, layer_offloading_transformer_percent: 0.4}
+      sample:
+        sample_every: 250
+        width: 1024
+        height: 768
+        seed: 7
+        walk_seed: true
+        guidance_scale: 4
+        sample_steps: 20
+        prompts: ["a red fox in the snow", "a lighthouse at dusk --no flags here"]
+"""
+
+WAN_JOB = """
+job: extension
+config:
+  name: wan_job
+  process:
+    - type: sd_trainer
+      network: {type: lora, linear: 32, linear_alpha: 32}
+      datasets:
+        - {folder_path: /data/clips, caption_ext: txt, num_frames: 33, resolution: [256, 512]}
+      train: {batch_size: 1, gradient_accumulation: 1, gradient_checkpointing: true, optimizer: adamw8bit,
+              lr: 0.0001, steps: 2000, dtype: bf16, cache_text_embeddings: true}
+      model: {name_or_path: ai-toolkit/Wan2.2-T2V-A14B-Diffusers-bf16, arch: wan22_14b, quantize: true,
+              qtype: "uint4|ostris/accuracy_recovery_adapters/wan22_14b_t2i_torchao_uint4.safetensors",
+              quantize_te: true, qtype_te: qfloat8, low_vram: true}
+      sample: {sample_every: 250, width: 832, height: 480, num_frames: 33, guidance_scale: 3.5,
+               sample_steps: 25, seed: 42, prompts: ["a horse running on a beach"]}
+"""
+
+
+@pytest.mark.parametrize("text, repo, unmatched", [
+    (FLUX_JOB, "sd-scripts", {"model.layer_offloading_transformer_percent", "sample.prompts"}),
+    (WAN_JOB, "musubi-tuner", {"model.qtype", "model.low_vram"}),
+], ids=["flux", "wan"])
+def test_jobs_round_trip_and_say_what_differs(text, repo, unmatched, tmp_path):
+    job = jobconfig.loads(text, "job.yaml")
+    done = kohya.write(job, tmp_path)
+    assert done.trainer.repo == repo
+    assert {r.setting for r in done.rows if r.kind != "exact"} == unmatched
+    read = kohya.read(tmp_path)  # everything read back is the job's, but what the export said differs
+    assert {k: v for k, v in read.items() if k not in unmatched and not _same(job, k, v)} == {}
+    args = tomllib.loads((tmp_path / "kohya.toml").read_text())
+    flat = {k: v for section in args.values() for k, v in section.items()}
+    script = (tmp_path / "kohya.sh").read_text()
+    if repo == "sd-scripts":
+        assert flat["fp8_base_unet"] is True and "fp8_base" not in flat  # transformer only: quantize_te is off
+        assert flat["blocks_to_swap"] == 14  # 40 % of FLUX.1's 35 swappable blocks
+        assert read["model.layer_offloading_transformer_percent"] == 0.4 and read["model.quantize_te"] is False
+        assert flat["sample_at_first"] is False and flat["cache_latents_to_disk"] is True
+        assert read["sample.prompts"] == ["a red fox in the snow", "a lighthouse at dusk -no flags here"]
+        assert read["sample.walk_seed"] is True and read["sample.seed"] == 7 and read["sample.height"] == 768
+        assert "--guidance" not in script and "--sample_prompts" in script
+    else:
+        assert args["model"]["task"] == "t2v-A14B" and flat["fp8_base"] is True
+        assert "train_batch_size" not in flat  # musubi-tuner refuses options it lacks
+        dataset = tomllib.loads((tmp_path / "kohya_dataset.toml").read_text())
+        assert [(d["resolution"], d["target_frames"]) for d in dataset["datasets"]] == [([256, 256], [33]),
+                                                                                        ([512, 512], [33])]
+        assert "--fp8_t5" in script and "--dit_high_noise" in script  # both Wan 2.2 experts
+        assert "no equivalent: model.low_vram = true" in (tmp_path / "kohya.toml").read_text()
+
+
+def test_a_family_kohya_does_not_train_is_one_line(tmp_path):
+    job = jobconfig.loads(FLUX_JOB.replace("is_flux: true", "arch: hidream"), "job.yaml")
+    with pytest.raises(UserError) as caught:
+        kohya.write(job, tmp_path)
+    assert "no kohya trainer known for model arch=hidream" in str(caught.value)
+    assert not list(tmp_path.iterdir())
+
+
+def test_export_bad_input_is_one_line(tmp_path):
+    bad_format = run_cli("export", NAME, "--format", "onetrainer", cwd=tmp_path)
+    assert bad_format.returncode == 2
+    assert bad_format.stderr.startswith("fitfinder: error: --format: expected kohya, got 'onetrainer'")
+    missing = run_cli("export", NAME, cwd=tmp_path)
+    assert missing.returncode == 2 and "results/demo_flux_lora/best.yaml: no such file" in missing.stderr
+    for result in (bad_format, missing):
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
