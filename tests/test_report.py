@@ -133,11 +133,12 @@ def test_report_command_rebuilds_the_same_summary_from_the_study(demo_run, tmp_p
 # -- studies that are not the happy path -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def odd_studies(tmp_path_factory, model_cache):
-    """Two real, short searches: nothing fits (an OOM and a crashed probe), and one probe that fits."""
+    """Two real, short searches: nothing fits (an OOM and a crashed probe), and a base that fits
+    (one probe, and its confirmation)."""
     runs = {}
     for label, args, env in (
         ("none", ["--trials", "2"], {"FITFINDER_PROBE_FAULT": "1:abort"}),
-        ("single", ["--trials", "1", "--vram", "64MiB"], {}),
+        ("single", ["--trials", "2", "--vram", "64MiB"], {}),
     ):
         folder = tmp_path_factory.mktemp(f"odd-{label}")
         (folder / "configs").mkdir()
@@ -164,9 +165,10 @@ def test_a_single_probe_that_fits(odd_studies, tmp_path):
     folder, done = odd_studies["single"]
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout)
-    assert summary["trials"] == 1 and summary["proven"]
+    assert summary["trials"] == 2 and summary["proven"]  # the base, then its longer confirmation
     written = json.loads((folder / "results" / NAME / "summary.json").read_text())
-    assert written["phases"]["winner"] == written["phases"]["base"]
+    winner, base = written["phases"]["winner"], written["phases"]["base"]
+    assert winner["point"] == base["point"] and winner["phases"] == base["phases"]  # the base, confirmed
     assert {row["verdict"] for row in written["explanation"]} == {"kept"}
     page = (folder / "results" / NAME / "report.html").read_text(encoding="utf-8")
     assert "Nothing changed: the base file fits as written." in page

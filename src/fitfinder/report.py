@@ -141,7 +141,7 @@ def summary_of(view: StudyView, out_dir: Path) -> dict[str, Any]:
     best_file = Path(out_dir) / "best.yaml"
     return search.SearchSummary(
         status="fit" if winner else "none", study=view.name, storage=view.url, trials=len(view.study.trials),
-        probes_run=len(view.known.results), proven=search.plan(view.space, view.known) is None,
+        probes_run=len(view.known.results), proven=search.plan(view.space, view.known).point is None,
         best=winner, best_point=winner.point if winner else None,
         best_file=str(best_file) if winner and best_file.exists() else None,
         budget_bytes=view.budget_bytes, limit_bytes=view.limit_bytes,
@@ -185,10 +185,10 @@ def write_report(study, space: Space, known, out_dir: Path, summary: dict[str, A
             "Light cells are implied by a probe that was lighter and fit, or heavier and did not; "
             "dark cells were probed.",
             _plots.fit_map(space, known, center, x_knob, rest[0] if rest else None), "fit-map"))
-    groups = [(f"base, trial {base.trial}", base.extra.get("phases", {}))] if base else []
+    groups = [(f"base, trial {base.trial}", base.phases)] if base else []
     if other is not None and other is not base:
         label = "winner" if winner else "lowest peak"
-        groups.append((f"{label}, trial {other.trial}", other.extra.get("phases", {})))
+        groups.append((f"{label}, trial {other.trial}", other.phases))
     if groups:
         from fitfinder.space import PHASES
 
@@ -215,6 +215,8 @@ def probes_of(study, known) -> list:
     for trial in study.get_trials(deepcopy=False):
         attrs = trial.user_attrs
         status = attrs.get("status")
+        if status == "decided":
+            continue  # settled by dominance, never probed
         if trial.state == TrialState.RUNNING:
             outcome = "running"
         elif status == "ok":
@@ -236,7 +238,7 @@ def _phase_facts(result) -> dict[str, Any] | None:
     if result is None:
         return None
     return {"trial": result.trial, "point": result.point, "status": result.status,
-            "peak_bytes": result.peak_bytes, "phases": result.extra.get("phases", {})}
+            "peak_bytes": result.peak_bytes, "phases": result.phases}
 
 
 # -- the page ------------------------------------------------------------------------------------
