@@ -236,7 +236,7 @@ def resident(phase: str, request: dict, family, active: str | None = None) -> se
     return denoisers | kept | {"vae"}  # sample, last_sample
 
 
-def _shape_sizes(pipe, resolution: int) -> int:
+def _accepted_size(pipe, resolution: int) -> int:
     """A pixel size the denoiser accepts (AI Toolkit rounds buckets and samples down the same way)."""
     divisor = pipe.recipe.divisor
     return max(divisor, resolution // divisor * divisor)
@@ -284,7 +284,7 @@ def _encode_latents(pipe, request: dict) -> None:
 
     pipe.place(resident("latents", request, pipe.family))
     resolution, frames = _heaviest(request)
-    side = _shape_sizes(pipe, resolution)
+    side = _accepted_size(pipe, resolution)
     batch = 1 if request["cache_latents"] else request["batch_size"]
     with torch.no_grad():
         latents = pipe.recipe.encode_images(pipe.parts["vae"], pipe.recipe.pixels(side, side, frames, batch))
@@ -296,7 +296,7 @@ def _sample(pipe, request: dict, prompts: dict) -> None:
     import torch
 
     settings, recipe = request["sample"], pipe.recipe
-    height, width = _shape_sizes(pipe, settings["height"]), _shape_sizes(pipe, settings["width"])
+    height, width = _accepted_size(pipe, settings["height"]), _accepted_size(pipe, settings["width"])
     for name in pipe.family.denoisers:
         pipe.parts[name].eval()
     with torch.no_grad():
@@ -337,12 +337,15 @@ def _train(pipe, request: dict, prompts: dict, result: dict) -> None:
     middle = steps // 2
     heaviest_steps = {0, middle, steps - 1}
     timings = []
+    def expert_at(step: int) -> str:
+        # Two experts take turns every `switch_every` steps (AI Toolkit's switch_boundary_every).
+        return trained[(step // max(1, request["switch_every"])) % len(trained)]
+
     for step, (resolution, frames) in enumerate(schedule):
         start = time.perf_counter()
-        # Two experts take turns every `switch_every` steps (AI Toolkit's switch_boundary_every).
-        expert = trained[(step // max(1, request["switch_every"])) % len(trained)]
+        expert = expert_at(step)
         pipe.place(resident("train", request, pipe.family, active=expert))
-        side = _shape_sizes(pipe, resolution)
+        side = _accepted_size(pipe, resolution)
         latents = _training_latents(pipe, request, side, frames, step in heaviest_steps)
         noise = recipe.inputs.randn(latents.shape)
         t = recipe.inputs.timesteps(latents.shape[0])
@@ -351,9 +354,9 @@ def _train(pipe, request: dict, prompts: dict, result: dict) -> None:
         loss = F.mse_loss(prediction.float(), target.float()) / accumulation
         loss.backward()
         del latents, noise, noisy, target, prediction, loss
-        # Step the optimizer every `accumulation` micro-steps, and once before the middle step so
-        # its state exists when the heaviest shape comes back.
-        if (step + 1) % accumulation == 0 or step == middle - 1 or step == steps - 1:
+        # Step the optimizer every `accumulation` micro-steps, once before the middle step so its
+        # state exists when the heaviest shape comes back, and before the other expert takes over.
+        if (step + 1) % accumulation == 0 or step in (middle - 1, steps - 1) or expert_at(step + 1) != expert:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             pipe.meter.register(optimizer)
