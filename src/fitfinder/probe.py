@@ -41,6 +41,7 @@ peak_reserved, seconds}}, "seconds_per_step", "steps_run", "error", "oom_kind", 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -200,18 +201,33 @@ def _recipe(request: dict, meter, result: dict) -> None:
     sample = request["sample"]
     with meter.phase("load"):
         pipe = models.load_pipeline(request["model"], request, meter)
-    with meter.phase("text_encoder"):
+    with _phase("text_encoder", pipe, request):
         prompts = _encode_text(pipe, request)
-    with meter.phase("latents"):
+    with _phase("latents", pipe, request):
         _encode_latents(pipe, request)
     if sample["first"]:
-        with meter.phase("sample"):
+        with _phase("sample", pipe, request):
             _sample(pipe, request, prompts)
-    with meter.phase("train"):
+    with _phase("train", pipe, request):
         _train(pipe, request, prompts, result)
     if sample["last"]:
-        with meter.phase("last_sample"):
+        with _phase("last_sample", pipe, request):
             _sample(pipe, request, prompts)
+
+
+@contextlib.contextmanager
+def _phase(name: str, pipe, request: dict):
+    """A metered phase with its parts on the device.
+
+    Parts the phase does not use leave before its meter starts (moving off frees memory, it is
+    nobody's peak); parts it needs arrive inside it (moving on can run out, and that is this
+    phase's failure).
+    """
+    wanted = resident(name, request, pipe.family)
+    pipe.place(pipe.on_device & wanted)
+    with pipe.meter.phase(name):
+        pipe.place(wanted)
+        yield
 
 
 def resident(phase: str, request: dict, family, active: str | None = None) -> set[str]:
@@ -263,7 +279,6 @@ def _encode_text(pipe, request: dict) -> dict:
     """Conditioning for training and previews; cached or unloaded encoders leave the device after."""
     import torch
 
-    pipe.place(resident("text_encoder", request, pipe.family))
     encoders = {name: pipe.parts[name] for name in pipe.family.text_encoders}
     batch = request["batch_size"] if request["text_encoder"] == "keep" else 1
     with torch.no_grad():
@@ -282,7 +297,6 @@ def _encode_latents(pipe, request: dict) -> None:
     """The heaviest bucket and clip through the VAE encoder: one image when caching, else a batch."""
     import torch
 
-    pipe.place(resident("latents", request, pipe.family))
     resolution, frames = _heaviest(request)
     side = _accepted_size(pipe, resolution)
     batch = 1 if request["cache_latents"] else request["batch_size"]
