@@ -339,7 +339,10 @@ def _value_problems(job: JobFile) -> list[str]:
           f"one of {', '.join(OPTIMIZERS)} (the optimizers fitfinder probes)")
     for key in ("model.qtype", "model.qtype_te"):
         check(key, _qtype_ok, f"one of {', '.join(QTYPE_BITS)} (optionally followed by |adapter)")
-    check("model.arch", lambda v: isinstance(v, str) and v.strip(), "a model architecture such as flux")
+    from fitfinder.models import ARCH_VALUES  # no torch there
+
+    check("model.arch", lambda v: isinstance(v, str) and v.split(":")[0].strip().lower() in ARCH_VALUES,
+          f"one of {', '.join(ARCH_VALUES)} (the model families fitfinder probes)")
     check("train.switch_boundary_every", _positive_int, "a positive integer")
     check("sample.guidance_scale", lambda v: _positive_number(v) or v == 0, "a number >= 0")
     check("train.steps", _positive_int, "a positive integer")
