@@ -1,4 +1,4 @@
-"""Shared test helpers: run the CLI the way a user does, in a scratch folder."""
+"""Shared test helpers: run the CLI the way a user does, in a scratch folder; tiny jobs per family."""
 
 from __future__ import annotations
 
@@ -12,10 +12,22 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.yaml"
-# ../shared next to the checkout; from a git worktree (.worktrees/NAME) it is further up.
+# The project's shared folder sits next to the checkout, or next to the folder holding worktrees.
 REFERENCE = next((parent / "shared" / "reference" / "configs" for parent in ROOT.parents
                   if (parent / "shared" / "reference" / "configs").is_dir()),
                  ROOT.parent / "shared" / "reference" / "configs")
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests run only where CUDA is: everywhere else they are skipped, saying why."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 def cli_env(**extra: str) -> dict[str, str]:
@@ -40,14 +52,6 @@ def model_cache(tmp_path_factory) -> Path:
     return cache
 
 
-@pytest.fixture
-def workdir(tmp_path: Path) -> Path:
-    """A scratch project folder holding a copy of the demo job."""
-    (tmp_path / "configs").mkdir()
-    shutil.copy(DEMO, tmp_path / "configs" / "demo.yaml")
-    return tmp_path
-
-
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory, model_cache) -> tuple[Path, dict]:
     """The demo searched once per session (real probes, ~20 s): its folder and its JSON summary.
@@ -60,3 +64,71 @@ def demo_run(tmp_path_factory, model_cache) -> tuple[Path, dict]:
     done = run_cli("search", "configs/demo.yaml", "--json", cwd=folder)
     assert done.returncode == 0, done.stderr
     return folder, json.loads(done.stdout)
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    """A scratch project folder holding a copy of the demo job."""
+    (tmp_path / "configs").mkdir()
+    shutil.copy(DEMO, tmp_path / "configs" / "demo.yaml")
+    return tmp_path
+
+
+# -- tiny jobs, one per family: the real part classes at toy widths, random weights ----------------
+ARCH_VALUES = {"flux": "flux", "sdxl": "sdxl", "wan21": "wan21", "wan22": "wan22_14b"}
+TINY = {  # training bucket, frames, preview size and frames: fast, and every phase has work to do
+    "flux": {"resolution": 256, "frames": 1, "sample": 256, "sample_frames": 1},
+    "sdxl": {"resolution": 256, "frames": 1, "sample": 256, "sample_frames": 1},
+    "wan21": {"resolution": 64, "frames": 9, "sample": 64, "sample_frames": 5},
+    "wan22": {"resolution": 64, "frames": 9, "sample": 64, "sample_frames": 5},
+}
+TINY_JOB = """\
+job: extension
+config:
+  name: tiny_{family}
+  process:
+    - type: sd_trainer
+      network: {{type: lora, linear: 8, linear_alpha: 8}}
+      datasets:
+        - folder_path: /data/clips
+          resolution: [{resolution}]
+          num_frames: {frames}
+          cache_latents_to_disk: true
+      train: {{batch_size: 1, gradient_checkpointing: true, optimizer: adamw, lr: 0.0001, dtype: fp32}}
+      model: {{name_or_path: "{name}", arch: {arch}}}
+      sample: {{width: {sample}, height: {sample}, num_frames: {sample_frames}, sample_steps: 20, guidance_scale: 5}}
+fitfinder: {{weights: {weights}}}
+"""
+
+
+def tiny_job(family: str, changes: dict | None = None, name: str | None = None, weights: str = "random",
+             more_datasets: list | None = None):
+    """The tiny job of a family, with `changes` ({key path: value}) applied as the search would."""
+    from fitfinder import jobconfig
+
+    text = TINY_JOB.format(family=family, arch=ARCH_VALUES[family], name=name or f"fitfinder/{family}-tiny",
+                           weights=weights, **TINY[family])
+    job = jobconfig.loads(text, f"<tiny {family} job>")
+    job.process["datasets"].extend(more_datasets or [])
+    for path, value in (changes or {}).items():
+        job.set(path, value)
+    return job
+
+
+@pytest.fixture(scope="module")
+def run_tiny():
+    """Probe a tiny job in a fresh process; results are kept per module (the sim meter is exact)."""
+    import json
+
+    from fitfinder import probe
+
+    runner = probe.ProbeRunner(timeout_s=300)
+    done = {}
+
+    def run(family, changes=None, budget=None, steps=3, **job_options):
+        key = json.dumps([family, changes, budget, steps, job_options], sort_keys=True)
+        if key not in done:
+            done[key] = runner.run(probe.request_for(tiny_job(family, changes, **job_options), steps, "sim", budget))
+        return done[key]
+
+    return run

@@ -22,7 +22,7 @@ CASES = {
                                 "config.process[0].datasets[0].resolution: expected a positive integer"),
     "unknown_fitfinder_key": (_edit("  weights: random", "  weights: random\n  turbo: true"),
                               "fitfinder.turbo: unknown key"),
-    "vram_bananas": (_edit("vram: 5.8MiB", "vram: 24 bananas"), "fitfinder.vram: '24 bananas' is not a size"),
+    "vram_bananas": (_edit("vram: 13.2MiB", "vram: 24 bananas"), "fitfinder.vram: '24 bananas' is not a size"),
 }
 
 

@@ -153,12 +153,10 @@ def test_jobs_round_trip_and_say_what_differs(text, repo, unmatched, tmp_path):
         assert "no equivalent: model.low_vram = true" in (tmp_path / "kohya.toml").read_text()
 
 
-def test_a_family_kohya_does_not_train_is_one_line(tmp_path):
-    job = jobconfig.loads(FLUX_JOB.replace("is_flux: true", "arch: hidream"), "job.yaml")
+def test_a_family_fitfinder_does_not_know_never_reaches_the_export(tmp_path):
     with pytest.raises(UserError) as caught:
-        kohya.write(job, tmp_path)
-    assert "no kohya trainer known for model arch=hidream" in str(caught.value)
-    assert not list(tmp_path.iterdir())
+        jobconfig.loads(FLUX_JOB.replace("is_flux: true", "arch: hidream"), "job.yaml")
+    assert "model.arch: expected one of flux, sdxl" in str(caught.value) and "'hidream'" in str(caught.value)
 
 
 def test_export_bad_input_is_one_line(tmp_path):

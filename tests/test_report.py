@@ -138,7 +138,7 @@ def odd_studies(tmp_path_factory, model_cache):
     runs = {}
     for label, args, env in (
         ("none", ["--trials", "2"], {"FITFINDER_PROBE_FAULT": "1:abort"}),
-        ("single", ["--trials", "2", "--vram", "64MiB"], {}),
+        ("single", ["--trials", "2", "--vram", "128MiB"], {}),
     ):
         folder = tmp_path_factory.mktemp(f"odd-{label}")
         (folder / "configs").mkdir()

@@ -12,11 +12,17 @@ os.dup2(_null, 2)
 try:
     import torch  # noqa: F401
     import diffusers  # noqa: F401
-    from diffusers import FluxTransformer2DModel  # noqa: F401
+    from diffusers import (AutoencoderKL, AutoencoderKLWan, FluxTransformer2DModel,  # noqa: F401
+                           UNet2DConditionModel, WanTransformer3DModel)
+    from transformers import (CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel,  # noqa: F401
+                              UMT5EncoderModel)
+    import bitsandbytes  # noqa: F401
     import peft  # noqa: F401
+    import peft.tuners.lora  # noqa: F401
 
     import fitfinder.meter  # noqa: F401
     import fitfinder.models  # noqa: F401
+    import fitfinder.models._pipeline  # noqa: F401
     import fitfinder.oom  # noqa: F401
     import fitfinder.probe  # noqa: F401
 finally:

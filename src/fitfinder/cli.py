@@ -115,7 +115,12 @@ def probe(
     timeout: Optional[float] = typer.Option(None, "--timeout", help="Seconds before the probe is killed [600]."),
     json_output: bool = JsonOpt,
 ) -> None:
-    """Run one probe of the job file as written and print the peak of each phase."""
+    """Run one probe of the job file as written and print the peak of each phase.
+
+    Phases: load, text_encoder, latents, sample (first preview), train, last_sample. With --json,
+    stdout is the result object: status, phase (where it ran out, if it did), phases (name -> peak
+    bytes), phase_stats, seconds_per_step, error.
+    """
     from fitfinder import probe as probing
     from fitfinder.output import Output, usage_bar
     from fitfinder.units import format_bytes
@@ -131,6 +136,9 @@ def probe(
     rows = [[name, format_bytes(p["peak_allocated"]), format_bytes(p["peak_reserved"]), f"{p['seconds']:.2f}"]
             for name, p in result.get("phase_stats", {}).items()]
     out.table(["phase", "peak allocated", "peak reserved", "seconds"], rows)
+    if result.get("outside_bytes"):
+        out.line(f"each peak includes {format_bytes(result['outside_bytes'])} outside PyTorch "
+                 "(CUDA context, libraries, other processes on the card)")
     out.line(f"peak {usage_bar(result.get('peak_bytes'), job.settings.vram_bytes)}"
              + (f", {result['seconds_per_step']:.3f} s/step" if result.get("seconds_per_step") else ""))
     if result.get("error"):

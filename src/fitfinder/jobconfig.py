@@ -34,10 +34,15 @@ AITK_DEFAULTS: dict[str, Any] = {
     "train.disable_sampling": False,
     "train.cache_text_embeddings": False,
     "train.unload_text_encoder": False,
+    "train.switch_boundary_every": 1,
     "model.quantize": False,
     "model.qtype": "qfloat8",
     "model.qtype_te": "qfloat8",
     "model.low_vram": False,
+    "model.is_flux": False,
+    "model.is_xl": False,
+    "model.model_kwargs.train_high_noise": True,  # Wan 2.2: LoRA on the high-noise expert
+    "model.model_kwargs.train_low_noise": True,  # and on the low-noise one
     "datasets[*].resolution": 512,
     "datasets[*].num_frames": 1,
     "datasets[*].bucket_tolerance": 64,
@@ -56,8 +61,27 @@ KNOB_NAMES = (
     "text_encoder", "optimizer", "sample_size", "sample_frames", "sampling",
 )
 
+# AI Toolkit's quantization types (optimum-quanto and torchao names) -> bits in the probe, which
+# quantizes with bitsandbytes: 8-bit for the float8/int8 kinds, 4-bit (nf4 unless fp4) for 4-bit.
+# A "uint4|adapter" value adds an accuracy-recovery LoRA, small next to the weights; it is not probed.
+QTYPE_BITS = {"qfloat8": 8, "float8": 8, "qfloat8_e4m3fn": 8, "float8_e4m3fn": 8, "fp8": 8, "qint8": 8, "int8": 8,
+              "qint4": 4, "uint4": 4, "int4": 4, "nf4": 4, "fp4": 4}
+# Optimizers the probe runs, by AI Toolkit's names -> the implementation (Adam and AdamW hold the
+# same state).
+OPTIMIZERS = {"adamw": "adamw", "adam": "adamw", "adamw8bit": "adamw8bit", "adam8bit": "adamw8bit"}
+
 DTYPES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16",
           "fp16": "fp16", "float16": "fp16", "half": "fp16"}
+
+def qtype_bits(qtype: Any) -> tuple[int, str]:
+    """(bits, bitsandbytes 4-bit type) of an AI Toolkit qtype such as 'qfloat8' or 'uint4|ostris/...'."""
+    base = str(qtype).split("|")[0].strip().lower()
+    return QTYPE_BITS[base], "fp4" if base == "fp4" else "nf4"
+
+
+def _qtype_ok(value: Any) -> bool:
+    return isinstance(value, str) and value.split("|")[0].strip().lower() in QTYPE_BITS
+
 
 _INDEX = re.compile(r"^([A-Za-z_][\w]*)\[(\d+|\*)\]$")
 _MISSING = object()
@@ -305,9 +329,22 @@ def _value_problems(job: JobFile) -> list[str]:
                         "gradient_accumulation_steps; keep one of them")
     for key in ("train.gradient_checkpointing", "train.skip_first_sample", "train.disable_sampling",
                 "train.cache_text_embeddings", "train.unload_text_encoder", "model.quantize",
-                "model.quantize_te", "model.low_vram"):
+                "model.quantize_te", "model.low_vram", "model.is_flux", "model.is_xl"):
         check(key, lambda v: isinstance(v, bool), "true or false")
+    for i in range(len(datasets) if isinstance(datasets, list) else 0):
+        for key in ("cache_latents", "cache_latents_to_disk"):
+            check(f"datasets[{i}].{key}", lambda v: isinstance(v, bool), "true or false")
     check("train.dtype", lambda v: str(v).lower() in DTYPES, "one of bf16, fp16, fp32")
+    check("train.optimizer", lambda v: str(v).lower() in OPTIMIZERS,
+          f"one of {', '.join(OPTIMIZERS)} (the optimizers fitfinder probes)")
+    for key in ("model.qtype", "model.qtype_te"):
+        check(key, _qtype_ok, f"one of {', '.join(QTYPE_BITS)} (optionally followed by |adapter)")
+    from fitfinder.models import ARCH_VALUES  # no torch there
+
+    check("model.arch", lambda v: isinstance(v, str) and v.split(":")[0].strip().lower() in ARCH_VALUES,
+          f"one of {', '.join(ARCH_VALUES)} (the model families fitfinder probes)")
+    check("train.switch_boundary_every", _positive_int, "a positive integer")
+    check("sample.guidance_scale", lambda v: _positive_number(v) or v == 0, "a number >= 0")
     check("train.steps", _positive_int, "a positive integer")
     check("model.name_or_path", lambda v: isinstance(v, str) and v.strip(), "a model name or folder")
     for key in ("sample.width", "sample.height", "sample.sample_steps", "sample.num_frames"):

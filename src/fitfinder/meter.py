@@ -4,9 +4,11 @@ Both meters have the same small surface, so the probe reads the same on either:
 
     with meter:                      # starts measuring
         with meter.phase("load"):    # peak of this phase, and its seconds
-            ...
+            with meter.host():       # made here, a tensor lives in host memory, not on the device
+                part = build()
+            part = meter.to_device(part)   # onto the device: it counts from now on
+            meter.to_host(part)            # off the device (low_vram, unloaded encoders)
         meter.register(module)       # tensors made outside the meter's sight (safetensors loads)
-        meter.release(module)        # tensors moved off the device (offload, unloaded encoders)
     meter.phases                     # name -> {"peak_allocated", "peak_reserved", "seconds"}
 
 The sim meter counts the bytes of every live tensor storage through a TorchDispatchMode and
@@ -16,10 +18,11 @@ the probe fails at the same place, with the same exception, as it would on the c
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator
 
 import torch
@@ -42,10 +45,12 @@ class StorageTracker(TorchDispatchMode):
         self.live: dict[int, int] = {}  # storage id -> bytes
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.paused = 0  # > 0 while tensors are made in host memory (meter.host())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        tree_map_only(torch.Tensor, self.add, out)
+        if not self.paused:
+            tree_map_only(torch.Tensor, self.add, out)
         return out
 
     def add(self, tensor: torch.Tensor) -> None:
@@ -89,9 +94,12 @@ def tensors_of(*objects: Any) -> Iterator[torch.Tensor]:
         if isinstance(obj, torch.nn.Module):
             for param in obj.parameters():
                 yield param
+                yield from _quantization_tensors(param)
                 if param.grad is not None:
                     yield param.grad
             yield from obj.buffers()
+            for module in obj.modules():
+                yield from _quantization_tensors(getattr(module, "state", None))
         elif isinstance(obj, torch.optim.Optimizer):
             for state in obj.state.values():
                 yield from (v for v in state.values() if isinstance(v, torch.Tensor))
@@ -101,6 +109,28 @@ def tensors_of(*objects: Any) -> Iterator[torch.Tensor]:
             yield from tensors_of(*obj)
         elif isinstance(obj, dict):
             yield from tensors_of(*obj.values())
+
+
+def _quantization_tensors(holder: Any) -> Iterator[torch.Tensor]:
+    """What bitsandbytes keeps beside a quantized weight, outside parameters and buffers.
+
+    Int8Params and a Linear8bitLt's matmul state hold `CB` (the int8 weight) and `SCB` (row
+    scales); Params4bit holds a `quant_state` with the block absmax and the code book, nested once
+    more with double quantization.
+    """
+    if holder is None:
+        return
+    for name in ("CB", "SCB"):
+        value = getattr(holder, name, None)
+        if isinstance(value, torch.Tensor):
+            yield value
+    state = getattr(holder, "quant_state", None)
+    while state is not None:
+        for name in ("absmax", "code", "offset"):
+            value = getattr(state, name, None)
+            if isinstance(value, torch.Tensor):
+                yield value
+        state = getattr(state, "state2", None)
 
 
 class _PhaseClock:
@@ -133,6 +163,12 @@ class SimMeter(_PhaseClock):
         self.tracker = StorageTracker(budget_bytes)
 
     def __enter__(self) -> "SimMeter":
+        # Tiny random models underflow into denormal floats, which the CPU computes up to 10x
+        # slower; a GPU flushes them anyway. Memory is what is measured here, and it is unchanged.
+        torch.set_flush_denormal(True)
+        # One thread: a tiny model gains nothing from more, and on a shared CPU several threads
+        # per probe wait on each other (10x slower when the cores are busy elsewhere).
+        torch.set_num_threads(1)
         self.tracker.__enter__()
         return self
 
@@ -142,6 +178,7 @@ class SimMeter(_PhaseClock):
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         self.current_phase = name
+        gc.collect()  # what the last phase left for the collector must not count in this one
         self.tracker.peak_bytes = self.tracker.live_bytes
         start = time.perf_counter()
         try:
@@ -149,6 +186,15 @@ class SimMeter(_PhaseClock):
         finally:
             peak = self.tracker.peak_bytes
             self._record(name, peak, peak, time.perf_counter() - start)
+
+    @contextmanager
+    def host(self) -> Iterator[None]:
+        """Tensors made inside live in host memory: not counted until `to_device`."""
+        self.tracker.paused += 1
+        try:
+            yield
+        finally:
+            self.tracker.paused -= 1
 
     def register(self, *objects: Any) -> None:
         for tensor in tensors_of(*objects):
@@ -179,9 +225,12 @@ class SimMeter(_PhaseClock):
 class CudaMeter(_PhaseClock):
     """A real GPU: torch.cuda peak statistics per phase, plus memory outside PyTorch's allocator.
 
-    With a budget smaller than the card, the process is capped with
-    `set_per_process_memory_fraction` after subtracting the measured CUDA context, to emulate a
-    smaller card.
+    Per phase: `max_memory_allocated` and `max_memory_reserved`, each plus the memory the process
+    holds outside the caching allocator (CUDA context, cuBLAS/cuDNN handles, other processes on
+    the card), read from `mem_get_info` at the phase's end. With a budget smaller than the card,
+    the allocator is capped with `set_per_process_memory_fraction` at the budget minus that outside
+    memory, so the card behaves like a smaller one (an emulation: the context of a real smaller
+    card may differ by a few hundred MiB).
     """
 
     kind = "cuda"
@@ -190,17 +239,16 @@ class CudaMeter(_PhaseClock):
         super().__init__()
         torch.cuda.set_device(gpu)
         self.device = torch.device("cuda", gpu)
-        torch.cuda.init()
-        torch.empty(1, device=self.device)  # creates the context, so it can be measured
+        _warm_up(self.device)  # loads the context and the math libraries, so they can be measured
         free, total = torch.cuda.mem_get_info(self.device)
         self.total_bytes = total
-        # Memory the process cannot use for tensors: CUDA context, other processes, cuBLAS.
         self.outside_bytes = total - free - torch.cuda.memory_reserved(self.device)
         self.budget_bytes = budget_bytes
         self.emulated = budget_bytes is not None and budget_bytes < total
+        self.cap_bytes = None
         if self.emulated:
-            usable = max(budget_bytes - self.outside_bytes, 0)
-            torch.cuda.set_per_process_memory_fraction(usable / total, self.device)
+            self.cap_bytes = max(budget_bytes - self.outside_bytes, 0)
+            torch.cuda.set_per_process_memory_fraction(self.cap_bytes / total, self.device)
 
     def __enter__(self) -> "CudaMeter":
         return self
@@ -211,16 +259,30 @@ class CudaMeter(_PhaseClock):
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         self.current_phase = name
-        torch.cuda.synchronize(self.device)
+        _flush(self.device)  # as AI Toolkit flushes between stages: no cached block from before counts
         torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         try:
             yield
         finally:
             torch.cuda.synchronize(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
+            self._account_outside(total - free - torch.cuda.memory_reserved(self.device))
             allocated = torch.cuda.max_memory_allocated(self.device) + self.outside_bytes
             reserved = torch.cuda.max_memory_reserved(self.device) + self.outside_bytes
             self._record(name, allocated, reserved, time.perf_counter() - start)
+
+    def _account_outside(self, outside_bytes: int) -> None:
+        """Memory outside the allocator only grows (libraries load lazily); the cap shrinks with it."""
+        if outside_bytes <= self.outside_bytes:
+            return
+        self.outside_bytes = outside_bytes
+        if self.emulated:
+            self.cap_bytes = max(self.budget_bytes - outside_bytes, 0)
+            torch.cuda.set_per_process_memory_fraction(self.cap_bytes / self.total_bytes, self.device)
+
+    def host(self):
+        return nullcontext()  # torch makes tensors in host memory unless told otherwise
 
     def register(self, *objects: Any) -> None:
         return None
@@ -232,7 +294,9 @@ class CudaMeter(_PhaseClock):
         return obj.to(self.device)
 
     def to_host(self, obj: Any) -> Any:
-        return obj.to("cpu")
+        moved = obj.to("cpu")
+        torch.cuda.empty_cache()
+        return moved
 
     @property
     def live_bytes(self) -> int:
@@ -240,17 +304,40 @@ class CudaMeter(_PhaseClock):
 
     def describe(self) -> str:
         name = torch.cuda.get_device_name(self.device)
-        text = f"cuda meter on {name} ({format_bytes(self.total_bytes)})"
+        text = f"cuda meter on {name} ({format_bytes(self.total_bytes)}, {format_bytes(self.outside_bytes)} outside PyTorch)"
         if self.emulated:
-            text += f", emulating a {format_bytes(self.budget_bytes)} card"
+            text += (f", emulating a {format_bytes(self.budget_bytes)} card: PyTorch capped at "
+                     f"{format_bytes(self.cap_bytes)}")
         return text
+
+
+def _warm_up(device: torch.device) -> None:
+    """Create the CUDA context and load cuBLAS and the attention kernels with a few tiny ops."""
+    x = torch.ones(64, 64, device=device, dtype=torch.bfloat16)
+    (x @ x).sum().item()
+    q = x.view(1, 1, 64, 64)
+    torch.nn.functional.scaled_dot_product_attention(q, q, q).sum().item()
+    del x, q
+    _flush(device)
+
+
+def _flush(device: torch.device) -> None:
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
 
 
 def make(kind: str, budget_bytes: int | None, gpu: int = 0):
     """The meter a probe request names."""
     if kind == "cuda":
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        # Must be set before the allocator's first use; the runner sets it for its children too.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
         return CudaMeter(budget_bytes, gpu)
     if kind == "sim":
         return SimMeter(budget_bytes)
     raise ValueError(f"unknown meter {kind!r}; known: sim, cuda")
+
+
+# Expandable segments: less fragmentation, as recent AI Toolkit versions recommend; a user's own
+# PYTORCH_CUDA_ALLOC_CONF wins.
+CUDA_ALLOC_CONF = "expandable_segments:True"

@@ -8,13 +8,41 @@ Children are forked from a forkserver that has imported torch, diffusers and pef
 never touched a GPU), so each probe starts in a fresh process without paying ~8 s of imports.
 `python -m fitfinder.probe < request.json` runs one probe the same way from a shell.
 
+The recipe, phase by phase, each metered on its own (AI Toolkit's order and device placement):
+
+    load          every part (denoiser(s), text encoder(s), VAE), quantized as asked, a LoRA on the
+                  trained denoiser(s); without low_vram all on the device, with it all in host memory
+    text_encoder  prompts through the text encoders: a batch of captions when they stay loaded (each
+                  step encodes its captions); one prompt at a time when embeddings are cached or the
+                  encoders unloaded, after which they leave the device
+    latents       images through the VAE encoder at the heaviest bucket and clip: the whole batch when
+                  latents are not cached (each step encodes its batch; the VAE stays on the device),
+                  one image when they are (AI Toolkit's caching pass, everything but the VAE moved off)
+    sample        the first preview unless skip_first_sample/disable_sampling: SAMPLE_STEPS denoising
+                  steps at sample.width x height (x num_frames) with the guidance as configured, then
+                  the VAE decode
+    train         `steps` LoRA steps over a bucket schedule with the heaviest bucket and clip at the
+                  first, middle and last step (optimizer state and fragmentation present by then)
+    last_sample   the preview at the end of training, unless disable_sampling
+
+Request (built by `request_for` from a job file with AI Toolkit's defaults): model (see
+models.model_spec), dtype, quantize and quantize_te (None, 8 or 4 bits) with quant_type and
+quant_type_te, low_vram, text_encoder ("keep", "cache" or "unload"), cache_latents, shapes
+([resolution, frames] pairs the datasets train on), batch_size, accumulation,
+gradient_checkpointing, rank, alpha, optimizer, lr, trained (the denoisers that get a LoRA),
+switch_every (two-expert models), sample ({first, last, width, height, frames, steps,
+guidance_scale}), steps, meter, budget_bytes, gpu, seed.
+
 Result: {"status": "ok"|"oom"|"error"|"timeout", "phase": the phase that failed or None,
 "peak_bytes", "phases": {name: peak bytes}, "phase_stats": {name: {peak_allocated,
-peak_reserved, seconds}}, "seconds_per_step", "steps_run", "error", "oom_kind", "meter"}.
+peak_reserved, seconds}}, "seconds_per_step", "steps_run", "error", "oom_kind", "meter",
+"outside_bytes" (cuda: memory outside PyTorch's allocator, included in every peak)}.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import signal
@@ -27,25 +55,42 @@ from typing import Any
 from fitfinder import jobconfig
 
 RESULT_STATUSES = ("ok", "oom", "error", "timeout")
+# Denoising steps of a preview in a probe: each step costs the same memory, so two show the
+# peak (and that it holds from one step to the next) at a tenth of the time of 20 or 30.
+SAMPLE_STEPS = 2
 
 
 # -- the request, built by the parent from a job file (no torch here) ----------------------------
 def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int = 0) -> dict[str, Any]:
     """Everything a probe needs, read from the job file with AI Toolkit's defaults."""
-    from fitfinder import models, space
+    from fitfinder import models
 
-    rank = int(job.get("network.linear", None) or job.get("network.rank"))
+    spec = models.model_spec(job)
+    family = models.FAMILIES[spec["family"]]
+    quantize_te = job.get("model.quantize_te", None)
+    if quantize_te is None:  # AI Toolkit: quantize_te defaults to quantize
+        quantize_te = job.get("model.quantize")
+    bits, quant_type = jobconfig.qtype_bits(job.get("model.qtype")) if job.get("model.quantize") else (None, "nf4")
+    bits_te, quant_type_te = jobconfig.qtype_bits(job.get("model.qtype_te")) if quantize_te else (None, "nf4")
     return {
-        "model": models.model_spec(job),
+        "model": spec,
         "dtype": jobconfig.DTYPES[str(job.get("train.dtype")).lower()],
-        "buckets": space.resolutions(job),
+        "quantize": bits, "quant_type": quant_type,
+        "quantize_te": bits_te, "quant_type_te": quant_type_te,
+        "low_vram": bool(job.get("model.low_vram")),
+        "text_encoder": _text_encoder_mode(job),
+        "cache_latents": _latents_cached(job),
+        "shapes": _shapes(job, family.video),
         "batch_size": int(job.get("train.batch_size")),
         "accumulation": job.accumulation,
         "gradient_checkpointing": bool(job.get("train.gradient_checkpointing")),
-        "rank": rank,
+        "rank": int(job.get("network.linear", None) or job.get("network.rank")),
         "alpha": float(job.get("network.linear_alpha", None) or job.get("network.alpha", 1.0)),
-        "optimizer": str(job.get("train.optimizer")).lower(),
+        "optimizer": jobconfig.OPTIMIZERS[str(job.get("train.optimizer")).lower()],
         "lr": float(job.get("train.lr")),
+        "trained": _trained_denoisers(job, family),
+        "switch_every": int(job.get("train.switch_boundary_every")),
+        "sample": _sample_settings(job, family.video),
         "steps": int(steps),
         "meter": meter,
         "budget_bytes": budget_bytes,
@@ -54,24 +99,71 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
     }
 
 
+def _text_encoder_mode(job) -> str:
+    """cache: all captions encoded before training; unload: trigger and sample prompts only; keep."""
+    if job.get("train.cache_text_embeddings"):
+        return "cache"
+    return "unload" if job.get("train.unload_text_encoder") else "keep"
+
+
+def _latents_cached(job) -> bool:
+    """AI Toolkit keeps the VAE off the device only when every dataset caches its latents."""
+    return all(bool(memory) or bool(disk) for memory, disk in
+               zip(job.get("datasets[*].cache_latents"), job.get("datasets[*].cache_latents_to_disk")))
+
+
+def _shapes(job, video: bool) -> list[list[int]]:
+    """Every [resolution, frames] the datasets train on; frames are 1 for image families."""
+    shapes = set()
+    for resolutions, frames in zip(job.get("datasets[*].resolution"), job.get("datasets[*].num_frames")):
+        for resolution in resolutions if isinstance(resolutions, list) else [resolutions]:
+            shapes.add((int(resolution), int(frames) if video else 1))
+    return [list(shape) for shape in sorted(shapes)]
+
+
+def _trained_denoisers(job, family) -> list[str]:
+    """Denoisers with a LoRA: Wan 2.2's high-noise (transformer) and low-noise (transformer_2) experts."""
+    if len(family.denoisers) == 1:
+        return list(family.denoisers)
+    wanted = {"transformer": job.get("model.model_kwargs.train_high_noise"),
+              "transformer_2": job.get("model.model_kwargs.train_low_noise")}
+    trained = [name for name in family.denoisers if wanted.get(name, True) is not False]
+    if not trained:
+        from fitfinder.errors import UserError
+
+        raise UserError(f"{job.source}: config.process[0].model.model_kwargs: train_high_noise and "
+                        "train_low_noise are both false; nothing would be trained")
+    return trained
+
+
+def _sample_settings(job, video: bool) -> dict[str, Any]:
+    enabled = not job.get("train.disable_sampling")
+    return {"first": enabled and not job.get("train.skip_first_sample"), "last": enabled,
+            "width": int(job.get("sample.width")), "height": int(job.get("sample.height")),
+            "frames": int(job.get("sample.num_frames")) if video else 1,
+            "steps": min(SAMPLE_STEPS, int(job.get("sample.sample_steps"))),
+            "guidance_scale": float(job.get("sample.guidance_scale"))}
+
+
 # -- the recipe (child) ------------------------------------------------------------------------
 def run(request: dict[str, Any]) -> dict[str, Any]:
-    """Load, train `steps` steps over the bucket schedule; report the peak of each phase."""
-    import torch
+    """Load, encode, sample, train `steps` steps, sample; report the peak of each phase."""
+    import gc
 
     from fitfinder import meter as meters
     from fitfinder import oom
 
+    _quiet_libraries()
+    # The imported libraries' objects never become garbage: freezing them makes each phase's
+    # collection (so that one phase's garbage does not count in the next) cost ms, not 0.3 s.
+    gc.freeze()
     meter = meters.make(request["meter"], request.get("budget_bytes"), request.get("gpu", 0))
     result: dict[str, Any] = {"status": "ok", "phase": None, "error": None, "oom_kind": None,
                               "seconds_per_step": None, "steps_run": 0, "meter": meter.describe()}
     failure = None
     try:
         with meter:
-            with meter.phase("load"):
-                model, optimizer = _load(request, meter)
-            with meter.phase("train"):
-                _train(model, optimizer, request, meter, result)
+            _recipe(request, meter, result)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a result line
         failure = exc
         verdict = oom.classify(exc)
@@ -79,93 +171,239 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
                       oom_kind=verdict.kind if verdict.is_oom else None,
                       error=f"{type(exc).__name__}: {exc}".strip()[:2000])
         if not verdict.is_oom:
-            result["traceback"] = traceback.format_exc(limit=8)[-4000:]
+            result["traceback"] = traceback.format_exc(limit=40)[-4000:]
     del failure  # the traceback pins tensors; drop it before reading the peaks
     result["phase_stats"] = meter.phases
     result["phases"] = {name: int(p["peak_reserved"]) for name, p in meter.phases.items()}
     result["peak_bytes"] = meter.peak_bytes
     result["budget_bytes"] = request.get("budget_bytes")
+    result["outside_bytes"] = getattr(meter, "outside_bytes", None)
+    result["meter"] = meter.describe()
     return result
 
 
-def _load(request: dict, meter) -> tuple[Any, Any]:
-    """The frozen base model with a fresh peft LoRA on the family's targets, and the optimizer."""
-    import torch
-    from peft import LoraConfig
+def _quiet_libraries() -> None:
+    """No progress bars from transformers and diffusers, no per-call bitsandbytes notices."""
+    import logging
 
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.disable_progress_bar()
+    diffusers_logging.set_verbosity_error()  # e.g. "modules that should be kept in float32: []"
+    transformers_logging.disable_progress_bar()
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # "inputs will be cast", every call
+
+
+def _recipe(request: dict, meter, result: dict) -> None:
     from fitfinder import models
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[request["dtype"]]
-    model = models.load_transformer(request["model"], dtype, meter)
-    torch.manual_seed(request["seed"])
-    model.add_adapter(LoraConfig(r=request["rank"], lora_alpha=request["alpha"], init_lora_weights="gaussian",
-                                 target_modules=models.LORA_TARGETS[request["model"]["family"]]))
-    if request["gradient_checkpointing"]:
-        model.enable_gradient_checkpointing()
-    model.train()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = _optimizer(request["optimizer"], trainable, request["lr"])
-    return model, optimizer
+    sample = request["sample"]
+    with meter.phase("load"):
+        pipe = models.load_pipeline(request["model"], request, meter)
+    with _phase("text_encoder", pipe, request):
+        prompts = _encode_text(pipe, request)
+    with _phase("latents", pipe, request):
+        _encode_latents(pipe, request)
+    if sample["first"]:
+        with _phase("sample", pipe, request):
+            _sample(pipe, request, prompts)
+    with _phase("train", pipe, request):
+        _train(pipe, request, prompts, result)
+    if sample["last"]:
+        with _phase("last_sample", pipe, request):
+            _sample(pipe, request, prompts)
+
+
+@contextlib.contextmanager
+def _phase(name: str, pipe, request: dict):
+    """A metered phase with its parts on the device.
+
+    Parts the phase does not use leave before its meter starts (moving off frees memory, it is
+    nobody's peak); parts it needs arrive inside it (moving on can run out, and that is this
+    phase's failure).
+    """
+    wanted = resident(name, request, pipe.family)
+    pipe.place(pipe.on_device & wanted)
+    with pipe.meter.phase(name):
+        pipe.place(wanted)
+        yield
+
+
+def resident(phase: str, request: dict, family, active: str | None = None) -> set[str]:
+    """The parts on the device during `phase`.
+
+    Without low_vram: AI Toolkit's device presets. Everything loaded stays, except that cached or
+    unloaded text encoders leave after their phase, the latent-caching pass moves all but the VAE
+    off, and cached latents keep the VAE off during training (it comes back for previews). With
+    low_vram only the parts a phase uses, and of two experts only the `active` one.
+    """
+    encoders = set(family.text_encoders)
+    kept = encoders if request["text_encoder"] == "keep" else set()
+    denoisers, cached = set(family.denoisers), request["cache_latents"]
+    if request["low_vram"]:
+        denoisers = {active} if active else set(request["trained"][:1])
+    if phase == "text_encoder":
+        return encoders if request["low_vram"] else denoisers | encoders | {"vae"}
+    if phase == "latents" and cached:
+        return {"vae"}
+    if phase in ("latents", "train"):
+        return denoisers | kept | (set() if cached and phase == "train" else {"vae"})
+    return denoisers | kept | {"vae"}  # sample, last_sample
+
+
+def _accepted_size(pipe, resolution: int) -> int:
+    """A pixel size the denoiser accepts (AI Toolkit rounds buckets and samples down the same way)."""
+    divisor = pipe.recipe.divisor
+    return max(divisor, resolution // divisor * divisor)
+
+
+def shape_schedule(shapes: list[list[int]], steps: int) -> list[tuple[int, int]]:
+    """One (resolution, frames) per step; the heaviest at the first, the middle and the last step.
+
+    The first step meets the worst shape before any optimizer state exists, the middle and last
+    ones meet it with the state and the allocator's fragmentation present, as a long run would.
+    """
+    ordered = sorted((tuple(shape) for shape in shapes), key=lambda s: (s[0] * s[0] * s[1], s))
+    heaviest_steps = {0, steps // 2, steps - 1}
+    rest = itertools.cycle(ordered)  # every other step takes the shapes in turn, lightest first
+    return [ordered[-1] if step in heaviest_steps else next(rest) for step in range(steps)]
+
+
+def _heaviest(request: dict) -> tuple[int, int]:
+    return shape_schedule(request["shapes"], 1)[0]
+
+
+# -- the phases ----------------------------------------------------------------------------------
+def _encode_text(pipe, request: dict) -> dict:
+    """Conditioning for training and previews; cached or unloaded encoders leave the device after."""
+    import torch
+
+    encoders = {name: pipe.parts[name] for name in pipe.family.text_encoders}
+    batch = request["batch_size"] if request["text_encoder"] == "keep" else 1
+    with torch.no_grad():
+        prompts = {"train": pipe.recipe.encode_prompts(encoders, batch)}
+        if request["sample"]["first"] or request["sample"]["last"]:
+            prompts["sample"] = pipe.recipe.encode_prompts(encoders, 1)
+            prompts["negative"] = pipe.recipe.encode_prompts(encoders, 1)
+    del encoders
+    if request["text_encoder"] == "unload":
+        for name in pipe.family.text_encoders:
+            pipe.unload(name)
+    return prompts
+
+
+def _encode_latents(pipe, request: dict) -> None:
+    """The heaviest bucket and clip through the VAE encoder: one image when caching, else a batch."""
+    import torch
+
+    resolution, frames = _heaviest(request)
+    side = _accepted_size(pipe, resolution)
+    batch = 1 if request["cache_latents"] else request["batch_size"]
+    with torch.no_grad():
+        latents = pipe.recipe.encode_images(pipe.parts["vae"], pipe.recipe.pixels(side, side, frames, batch))
+    del latents
+
+
+def _sample(pipe, request: dict, prompts: dict) -> None:
+    """A preview as AI Toolkit renders one: denoising steps with guidance, then the VAE decode."""
+    import torch
+
+    settings, recipe = request["sample"], pipe.recipe
+    height, width = _accepted_size(pipe, settings["height"]), _accepted_size(pipe, settings["width"])
+    for name in pipe.family.denoisers:
+        pipe.parts[name].eval()
+    with torch.no_grad():
+        latents = recipe.inputs.randn(recipe.latent_shape(height, width, settings["frames"], 1))
+        levels = [1.0 - i / settings["steps"] for i in range(settings["steps"])]
+        for level, next_level in zip(levels, levels[1:] + [0.0]):
+            expert = _expert(pipe, level)
+            pipe.place(resident("sample", request, pipe.family, active=expert))
+            t = torch.full((1,), level, device=recipe.inputs.device, dtype=recipe.inputs.dtype)
+            velocity = recipe.guided(pipe.parts[expert], latents, t, prompts["sample"], prompts["negative"],
+                                     settings["guidance_scale"])
+            latents = latents + (next_level - level) * velocity
+            del velocity
+        images = recipe.decode(pipe.parts["vae"], latents)
+    del images, latents
+
+
+def _expert(pipe, level: float) -> str:
+    """The denoiser for a noise level: Wan 2.2's high-noise expert above the boundary, else the other."""
+    denoisers = pipe.family.denoisers
+    if len(denoisers) == 1:
+        return denoisers[0]
+    return denoisers[0] if level >= pipe.arch.get("boundary_ratio", 0.875) else denoisers[1]
+
+
+def _train(pipe, request: dict, prompts: dict, result: dict) -> None:
+    """LoRA steps over the shape schedule; the optimizer steps every `accumulation` micro-steps."""
+    import torch
+    import torch.nn.functional as F
+
+    _maybe_fault(request.get("fault"))
+    recipe, trained = pipe.recipe, request["trained"]
+    for name in trained:
+        pipe.parts[name].train()
+    optimizer = _optimizer(request["optimizer"], pipe.trainable_parameters(trained), request["lr"])
+    steps, accumulation = request["steps"], max(1, request["accumulation"])
+    schedule = shape_schedule(request["shapes"], steps)
+    middle = steps // 2
+    heaviest_steps = {0, middle, steps - 1}
+    timings = []
+    def expert_at(step: int) -> str:
+        # Two experts take turns every `switch_every` steps (AI Toolkit's switch_boundary_every).
+        return trained[(step // max(1, request["switch_every"])) % len(trained)]
+
+    for step, (resolution, frames) in enumerate(schedule):
+        start = time.perf_counter()
+        expert = expert_at(step)
+        pipe.place(resident("train", request, pipe.family, active=expert))
+        side = _accepted_size(pipe, resolution)
+        latents = _training_latents(pipe, request, side, frames, step in heaviest_steps)
+        noise = recipe.inputs.randn(latents.shape)
+        t = recipe.inputs.timesteps(latents.shape[0])
+        noisy, target = recipe.noisy_and_target(latents, noise, t)
+        prediction = recipe.predict(pipe.parts[expert], noisy, t, prompts["train"])
+        loss = F.mse_loss(prediction.float(), target.float()) / accumulation
+        loss.backward()
+        del latents, noise, noisy, target, prediction, loss
+        # Step the optimizer every `accumulation` micro-steps, once before the middle step so its
+        # state exists when the heaviest shape comes back, and before the other expert takes over.
+        if (step + 1) % accumulation == 0 or step in (middle - 1, steps - 1) or expert_at(step + 1) != expert:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            pipe.meter.register(optimizer)
+        timings.append(time.perf_counter() - start)
+        result["steps_run"] = step + 1
+    steady = timings[1:] or timings  # the first step pays one-time costs
+    result["seconds_per_step"] = round(sum(steady) / len(steady), 5)
+
+
+def _training_latents(pipe, request: dict, side: int, frames: int, heaviest: bool):
+    """Cached latents are read from disk; otherwise the step encodes its batch through the VAE.
+
+    The encode runs at the heaviest shape (first, middle and last step), where its transient
+    meets the optimizer state; other steps draw latents of the right shape, which costs the same
+    memory in the denoiser and keeps the probe fast.
+    """
+    import torch
+
+    recipe, batch = pipe.recipe, request["batch_size"]
+    if request["cache_latents"] or not heaviest:
+        return recipe.inputs.randn(recipe.latent_shape(side, side, frames, batch))
+    with torch.no_grad():
+        return recipe.encode_images(pipe.parts["vae"], recipe.pixels(side, side, frames, batch)).detach()
 
 
 def _optimizer(name: str, params: list, lr: float):
     import torch
 
-    if name in ("adamw8bit", "adam8bit"):
+    if name == "adamw8bit":
         import bitsandbytes as bnb
 
         return bnb.optim.AdamW8bit(params, lr=lr)
     return torch.optim.AdamW(params, lr=lr)
-
-
-def bucket_schedule(buckets: list[int], steps: int) -> list[int]:
-    """One bucket per step; the largest at the first, the middle and the last step.
-
-    The first step meets the worst shape before any optimizer state exists, the middle and last
-    ones meet it with the state and the allocator's fragmentation present, as a long run would.
-    """
-    largest = max(buckets)
-    others = sorted(buckets)
-    schedule = [others[i % len(others)] for i in range(steps)]
-    for index in {0, steps // 2, steps - 1}:
-        schedule[index] = largest
-    return schedule
-
-
-def _train(model, optimizer, request: dict, meter, result: dict) -> None:
-    """Flow-matching LoRA steps: noisy latents in, velocity (noise - latents) as the target."""
-    import torch
-    import torch.nn.functional as F
-
-    from fitfinder import models
-
-    _maybe_fault(request.get("fault"))
-    device = meter.device
-    dtype = next(model.parameters()).dtype
-    generator = torch.Generator().manual_seed(request["seed"])
-    steps, accumulation = request["steps"], max(1, request["accumulation"])
-    middle = steps // 2
-    timings = []
-    for step, resolution in enumerate(bucket_schedule(request["buckets"], steps)):
-        start = time.perf_counter()
-        kwargs, latents, noise = models.flux_inputs(request["model"]["arch"], resolution,
-                                                    request["batch_size"], dtype, device, generator)
-        t = torch.sigmoid(torch.randn(request["batch_size"], generator=generator)).to(device=device, dtype=dtype)
-        noisy = (1 - t[:, None, None]) * latents + t[:, None, None] * noise
-        prediction = model(hidden_states=noisy, timestep=t, **kwargs)[0]
-        loss = F.mse_loss(prediction.float(), (noise - latents).float()) / accumulation
-        loss.backward()
-        del kwargs, latents, noise, noisy, prediction, loss
-        # Step the optimizer every `accumulation` micro-steps, and once before the middle step so
-        # its state exists when the largest bucket comes back.
-        if (step + 1) % accumulation == 0 or step == middle - 1 or step == steps - 1:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            meter.register(optimizer)
-        timings.append(time.perf_counter() - start)
-        result["steps_run"] = step + 1
-    steady = timings[1:] or timings  # the first step pays one-time costs
-    result["seconds_per_step"] = round(sum(steady) / len(steady), 5)
 
 
 def _maybe_fault(fault: str | None) -> None:
@@ -224,7 +462,13 @@ class ProbeRunner:
     def __init__(self, timeout_s: float = 600.0):
         import multiprocessing
 
+        from fitfinder.meter import CUDA_ALLOC_CONF
+
         self.timeout_s = timeout_s
+        # The forkserver and its children inherit this environment when the server starts: the
+        # allocator setting must be there before any child touches CUDA.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
+        _children_import_this_fitfinder()
         self.context = multiprocessing.get_context("forkserver")
         self.context.set_forkserver_preload(["fitfinder._preload"])
 
@@ -254,6 +498,18 @@ class ProbeRunner:
         except EOFError:  # the child ended without a result line
             process.join(5)
             return None
+
+
+def _children_import_this_fitfinder() -> None:
+    """Put this fitfinder's folder first on the children's import path.
+
+    Python before 3.13 starts the forkserver with the environment's path, not the parent's
+    sys.path; without this a probe could run another installed copy of fitfinder.
+    """
+    package_root = str(Path(__file__).resolve().parents[1])
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if not paths or paths[0] != package_root:
+        os.environ["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in paths if p != package_root])
 
 
 def _parse(line: bytes | None, process, timeout_s: float, log_path) -> dict[str, Any]:

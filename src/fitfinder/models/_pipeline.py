@@ -1,0 +1,98 @@
+"""A job's pipeline inside a probe: its parts, which of them are on the device, its LoRA.
+
+Loading follows AI Toolkit's order and placement: the denoiser(s) first, then the text
+encoder(s), then the VAE. Without `low_vram` each part goes onto the device as it is loaded and
+is quantized there (the full-precision weights sit on the device until their layer is swapped,
+which is why quantizing a large model can run out of memory at load). With `low_vram` every part
+is loaded and quantized in host memory and comes onto the device only when a phase uses it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fitfinder.models import FAMILIES
+from fitfinder.models._families import Inputs, for_family
+from fitfinder.models._weights import build_part, lora_targets, quantize
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class Pipeline:
+    """Parts by diffusers folder name, each in host memory or on the meter's device."""
+
+    def __init__(self, spec: dict, settings: dict, meter):
+        self.family = FAMILIES[spec["family"]]
+        self.arch = spec["arch"]
+        self.dtype = DTYPES[settings["dtype"]]
+        self.meter = meter
+        self.parts: dict[str, torch.nn.Module] = {}
+        self.on_device: set[str] = set()
+        self.inputs = Inputs(meter.device, self.dtype, settings.get("seed", 0), int(self.arch.get("text_seq_len", 512)))
+        self.recipe = for_family(self.family.name, self.arch, self.inputs)
+
+    def place(self, wanted: set[str]) -> None:
+        """Exactly the loaded parts in `wanted` on the device: leaving parts go first, then arriving ones."""
+        for name in sorted(self.on_device - wanted):
+            self.parts[name] = self.meter.to_host(self.parts[name])
+            self.on_device.discard(name)
+        for name in sorted((wanted & self.parts.keys()) - self.on_device):
+            self.parts[name] = self.meter.to_device(self.parts[name])
+            self.on_device.add(name)
+
+    def unload(self, name: str) -> None:
+        """Drop a part for good (AI Toolkit's unloaded text encoders): its memory is freed."""
+        self.place(self.on_device - {name})
+        del self.parts[name]
+
+    def trainable_parameters(self, names) -> list[torch.nn.Parameter]:
+        return [p for name in names for p in self.parts[name].parameters() if p.requires_grad]
+
+
+def load(spec: dict, settings: dict, meter) -> Pipeline:
+    """Every part, quantized as the job says, with a LoRA on each trained denoiser."""
+    pipe = Pipeline(spec, settings, meter)
+    low_vram = settings["low_vram"]
+    for part in pipe.family.parts:
+        bits, quant_type = _quantization(pipe.family, part, settings)
+        with meter.host():
+            module = build_part(spec, part, pipe.dtype, "cpu" if low_vram else meter.device)
+            if bits and low_vram:
+                quantize(module, bits, pipe.dtype, quant_type)
+        pipe.parts[part] = module
+        if not low_vram:
+            pipe.place(pipe.on_device | {part})
+            if bits:
+                quantize(pipe.parts[part], bits, pipe.dtype, quant_type)
+                meter.register(pipe.parts[part])  # bitsandbytes keeps row scales outside the dispatch's sight
+    for name in settings["trained"]:
+        if name in pipe.on_device:
+            _add_lora(pipe, name, settings)
+        else:
+            with meter.host():
+                _add_lora(pipe, name, settings)
+    return pipe
+
+
+def _quantization(family, part: str, settings: dict) -> tuple[int | None, str]:
+    if part in family.denoisers:
+        return settings["quantize"], settings.get("quant_type", "nf4")
+    if part in family.text_encoders:
+        return settings["quantize_te"], settings.get("quant_type_te", "nf4")
+    return None, "nf4"
+
+
+def _add_lora(pipe: Pipeline, name: str, settings: dict) -> None:
+    """A fresh peft LoRA on the family's targets, in the training dtype; gradient checkpointing as asked."""
+    from peft import LoraConfig
+
+    denoiser = pipe.parts[name]
+    torch.manual_seed(settings.get("seed", 0))
+    targets = lora_targets(denoiser, pipe.family.lora_blocks)
+    denoiser.add_adapter(LoraConfig(r=settings["rank"], lora_alpha=settings["alpha"], target_modules=targets,
+                                    init_lora_weights="gaussian"))
+    for param in denoiser.parameters():
+        if param.requires_grad:
+            param.data = param.data.to(pipe.dtype)  # AI Toolkit trains the LoRA in train.dtype
+    if settings["gradient_checkpointing"]:
+        denoiser.enable_gradient_checkpointing()

@@ -1,0 +1,106 @@
+"""Model families: which family a job names, the shipped architectures, reading archs without torch."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fitfinder import models
+from fitfinder.errors import UserError
+from tests.conftest import DEMO, REFERENCE, cli_env, tiny_job
+
+
+@pytest.mark.parametrize("changes, family", [
+    ({"model.arch": "flux"}, "flux"),
+    ({"model.arch": "sdxl"}, "sdxl"),
+    ({"model.arch": "wan21"}, "wan21"),
+    ({"model.arch": "wan21:14b"}, "wan21"),  # the UI's arch:variant form
+    ({"model.arch": "wan21_14b"}, "wan21"),
+    ({"model.arch": "wan22_14b"}, "wan22"),
+])
+def test_family_from_model_arch(changes, family):
+    assert models.family_of(tiny_job("flux", changes)) == family
+
+
+@pytest.mark.parametrize("model, family", [
+    ({"name_or_path": "/models/mine", "is_flux": True}, "flux"),
+    ({"name_or_path": "/models/mine", "is_xl": True}, "sdxl"),
+    ({"name_or_path": "black-forest-labs/FLUX.1-dev"}, "flux"),  # a shipped architecture's name
+    ({"name_or_path": "stabilityai/stable-diffusion-xl-base-1.0"}, "sdxl"),
+    ({"name_or_path": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"}, "wan21"),
+    ({"name_or_path": "/models/my-wan2.2-finetune"}, "wan22"),  # the name says it
+])
+def test_family_from_flags_or_name(model, family):
+    job = tiny_job("flux")
+    job.process["model"] = model
+    assert models.family_of(job) == family
+
+
+def test_an_unknown_family_is_one_clear_error_listing_the_known_ones():
+    job = tiny_job("flux")
+    job.process["model"] = {"name_or_path": "/models/something"}
+    with pytest.raises(UserError) as raised:
+        models.family_of(job)
+    assert "cannot tell the model family" in str(raised.value)
+    assert "flux, sdxl, wan21, wan21_1b, wan21_14b, wan22_14b" in str(raised.value)
+
+
+def test_the_wan22_reference_job_resolves_to_its_family_and_arch():
+    from fitfinder import jobconfig
+
+    job = jobconfig.load(REFERENCE / "aitk_train_lora_wan22_14b_24gb.yaml")
+    assert models.family_of(job) == "wan22"
+    stem, arch = models.shipped_arch(job)
+    assert stem == "wan22-14b" and arch["boundary_ratio"] == 0.875
+    assert arch["parts"]["transformer"]["num_layers"] == arch["parts"]["transformer_2"]["num_layers"] == 40
+
+
+def test_every_shipped_arch_describes_its_family_parts():
+    archs = models.known_archs()
+    assert {"flux-dev", "flux-tiny", "sdxl-base", "sdxl-tiny", "wan21-1.3b", "wan21-14b", "wan21-tiny",
+            "wan22-14b", "wan22-tiny"} <= set(archs)
+    for stem, arch in archs.items():
+        family = models.FAMILIES[arch["family"]]
+        assert set(arch["parts"]) == set(family.parts), stem
+        assert arch["names"] and arch["description"] and arch["text_seq_len"] > 0
+
+
+# Parameter counts of the published models (the parts' classes built from the shipped configs).
+PUBLISHED = {
+    ("flux-dev", "transformer"): 11_901_408_320, ("flux-dev", "text_encoder"): 123_060_480,
+    ("flux-dev", "text_encoder_2"): 4_762_310_656, ("flux-dev", "vae"): 83_819_683,
+    ("sdxl-base", "unet"): 2_567_463_684, ("sdxl-base", "text_encoder_2"): 694_659_840,
+    ("sdxl-base", "vae"): 83_653_863,
+    ("wan21-1.3b", "transformer"): 1_418_996_800, ("wan21-14b", "transformer"): 14_288_491_584,
+    ("wan21-14b", "text_encoder"): 5_680_910_336, ("wan21-14b", "vae"): 126_892_531,
+}
+
+
+@pytest.mark.parametrize("stem, part", sorted(PUBLISHED))
+def test_full_size_archs_have_the_published_sizes(stem, part):
+    import torch
+
+    from fitfinder.models._weights import _construct, part_class
+
+    arch = models.known_archs()[stem]
+    with torch.device("meta"):
+        module = _construct(part_class(arch["family"], part), arch["parts"][part])
+    assert sum(p.numel() for p in module.parameters()) == PUBLISHED[(stem, part)]
+
+
+def test_a_folder_that_is_not_a_pipeline_says_what_is_missing(tmp_path):
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text("{}")
+    with pytest.raises(UserError) as raised:
+        models.arch_from_folder(tmp_path, "flux")
+    assert "not a diffusers flux pipeline folder: no text_encoder/config.json" in str(raised.value)
+
+
+def test_reading_archs_and_building_a_request_needs_no_torch():
+    code = ("import sys, json; from fitfinder import jobconfig, models, probe; models.known_archs(); "
+            f"request = probe.request_for(jobconfig.load({str(DEMO)!r}), 20, 'sim', 2**30); "
+            "print(json.dumps([request['model']['family'], 'torch' in sys.modules]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == ["flux", False]
