@@ -1,7 +1,8 @@
 """A stand-in probe whose memory is a known function of the knobs, for exact tests of the plan.
 
 Each phase's peak depends only on the knobs that space.py says it depends on, and grows with
-each of them, as the real probe's memory does; seconds per step fall with a larger batch and
+each of them, as the real probe's memory does -- but for quantization while loading, where the
+full-precision weights arrive before they shrink (space.py marks that phase unordered); seconds per step fall with a larger batch and
 rise with checkpointing and offload. Over the budget, a phase "runs out of memory" and the
 later phases do not run, as in a real probe.
 """
@@ -51,8 +52,12 @@ def phase_peaks(point: dict) -> dict[str, int]:
     activations = pixels * batch * (2.5 if point.get("gradient_checkpointing", True) else 12)
     optimizer = lora * (2 if point.get("optimizer", "adamw") == "adamw" else 0.5)
     sample_side = int(str(point.get("sample_size", "1024x1024")).split("x")[0]) / 1024
+    # Quantizing on the device means the full-precision weights arrive first: no lighter to load
+    # (with low_vram they are quantized on the host).
+    quantized_on_device = point.get("quantize", "none") != "none" and not point.get("low_vram", False)
+    arriving = 24 if quantized_on_device else 0
     peaks = {
-        "load": resident + (9 if encoder == 0 else 0),  # encoders are loaded even when cached later
+        "load": max(resident, arriving + encoder + lora) + (9 if encoder == 0 else 0),  # encoders load even when cached later
         "text_encoder": resident + 9 * (encoder == 0) + 0.5 * batch,
         "latents": resident + 1.5 * pixels * batch,
         "train": resident + activations + optimizer + lora,

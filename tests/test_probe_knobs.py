@@ -88,6 +88,15 @@ def test_quantization_shrinks_what_stays_on_the_device(run_tiny):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", ["sdxl", "wan21"])
+def test_4_bit_runs_every_phase_and_keeps_fp32_modules_unquantized(run_tiny, family):
+    """Wan keeps its time embedder in fp32 (followed by a SiLU): quantizing it breaks the forward."""
+    result = run_tiny(family, {**GC_B1, "model.quantize": True, "model.qtype": "uint4"})
+    assert result["status"] == "ok", result.get("error")
+    assert result["phases"]["train"] < run_tiny(family, GC_B1)["phases"]["train"]
+
+
+@pytest.mark.slow
 def test_low_vram_keeps_each_part_off_the_device_until_a_phase_uses_it(run_tiny):
     default = run_tiny("flux", GC_B1)["phases"]
     low = run_tiny("flux", {**GC_B1, "model.low_vram": True})["phases"]

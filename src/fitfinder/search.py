@@ -123,7 +123,26 @@ class Knowledge:
         for result in self.results:
             if result.verdict == FIT and self.space.heavier_or_equal(result.point, point):
                 return FIT, result
+        witnesses = self._phase_witnesses(point)
+        if witnesses:
+            return FIT, witnesses[-1]
         return None, None
+
+    def _phase_witnesses(self, point: Point) -> list[Result]:
+        """One result per phase that ran that phase under the limit at a point at least as heavy
+        there -- or [] if some phase has none. Each phase's peak depends only on its own knobs, so
+        witnesses from different probes together prove the point fits."""
+        limit = self.limit_bytes if self.limit_bytes is not None else float("inf")
+        witnesses = []
+        for phase in self.space.phases_run(point):
+            witness = next((r for r in self.results if r.verdict is not None and phase not in r.failed_phases
+                            and r.phase != phase and r.phases.get(phase, limit + 1) <= limit
+                            and self.space.heavier_or_equal(r.point, point, phase)), None)
+            if witness is None:
+                return []
+            witnesses.append(witness)
+        return witnesses
+
 
     def _fails_like(self, point: Point, failed: Result) -> bool:
         """At least as heavy as `failed` on every knob one of its failing phases depends on."""

@@ -49,6 +49,7 @@ class Knob:
     desired: Any
     paths: tuple[str, ...]  # the job-file keys it writes
     phases: frozenset  # probe phases whose peak memory it changes
+    unordered: frozenset = frozenset()  # phases where more is not always heavier: compare for equality
 
     def level(self, value: Any) -> int:
         return self.candidates.index(value)
@@ -106,9 +107,29 @@ class Space:
 
     # -- order -----------------------------------------------------------------------------
     def heavier_or_equal(self, a: Point, b: Point, phase: str | None = None) -> bool:
-        """True when `a` needs at least as much memory as `b` on every knob (that `phase` depends on)."""
-        return all(k.level(a[k.name]) >= k.level(b[k.name])
-                   for k in self.knobs if phase is None or phase in k.phases)
+        """True when `a` needs at least as much memory as `b` in `phase` (in every phase if None).
+
+        Only the knobs the phase depends on count; a knob that is not monotone in the phase
+        (quantization while loading: the full-precision weights arrive before they shrink) must
+        be equal.
+        """
+        for knob in self.knobs:
+            if phase is not None and phase not in knob.phases:
+                continue
+            unordered = knob.unordered if phase is None else knob.unordered & {phase}
+            if unordered and a[knob.name] != b[knob.name]:
+                return False
+            if knob.level(a[knob.name]) < knob.level(b[knob.name]):
+                return False
+        return True
+
+    def phases_run(self, point: Point) -> list[str]:
+        """The phases a probe of `point` runs: every one, but the previews it does not sample."""
+        sampling = point.get("sampling", not self.job.get("train.disable_sampling"))
+        skipped = {"sample", "last_sample"} if not sampling else set()
+        if self.job.get("train.skip_first_sample"):
+            skipped.add("sample")
+        return [phase for phase in PHASES if phase not in skipped]
 
     def quality_key(self, point: Point) -> tuple[int, ...]:
         """Lexicographic quality: compare tuples, larger is better."""
@@ -302,8 +323,10 @@ def _quantize(job: JobFile, override: list | None, video: bool) -> Knob:
     desired = quantize_level(job)
     values = ladder[:ladder.index(desired) + 1] if override is None else _with_desired(
         override, desired, lambda v: v in ladder, "none, 8bit or 4bit")
+    # While loading, the weights arrive in full precision and are quantized on the device (AI
+    # Toolkit without low_vram): the load peak of a quantized base is no lower than an unquantized one.
     return Knob("quantize", "quality", tuple(v for v in ladder if v in values), desired,
-                ("model.quantize", "model.qtype"), _ALL)
+                ("model.quantize", "model.qtype"), _ALL, unordered=frozenset({"load"}))
 
 
 def _apply_quantize(job: JobFile, level: str, space: Space) -> None:

@@ -147,7 +147,11 @@ def quantize(module: torch.nn.Module, bits: int, compute_dtype: torch.dtype, qua
     swap is done here; `is_loaded_in_8bit`/`_4bit` tell peft to wrap the quantized layers.
     Returns the number of layers quantized.
     """
-    names = [name for name, child in module.named_modules() if type(child) is torch.nn.Linear]
+    # Modules the model keeps in fp32 (Wan's time embedder, ...) stay unquantized, as diffusers'
+    # own quantizers leave them.
+    keep = tuple(getattr(module, "_keep_in_fp32_modules", None) or ())
+    names = [name for name, child in module.named_modules()
+             if type(child) is torch.nn.Linear and not any(part in name.split(".") for part in keep)]
     for name in names:
         parent_name, _, child_name = name.rpartition(".")
         parent = module.get_submodule(parent_name)
