@@ -66,6 +66,9 @@ def search(
     studies_dir: Path = typer.Option(Path("studies"), "--studies-dir", help="Where SQLite studies live."),
     results_dir: Path = typer.Option(Path("results"), "--results-dir", help="Where results/NAME/ goes."),
     force: bool = typer.Option(False, "--force", help="Search even if the GPU preflight finds the card not clean."),
+    workers: int = typer.Option(1, "--workers", help="Worker processes on the CPU (sim meter); with --gpu: one per GPU."),
+    worker: bool = typer.Option(False, "--worker", hidden=True, help="Run as one worker of a launched search."),
+    card: Optional[int] = typer.Option(None, "--card", hidden=True, help="A worker's physical GPU index (NVML)."),
     json_output: bool = JsonOpt,
 ) -> None:
     """Search the best configuration that fits; export it as results/NAME/best.yaml."""
@@ -73,17 +76,28 @@ def search(
     from fitfinder.output import Output
     from fitfinder.units import format_bytes
 
-    out = Output(json_output)
+    out = Output(json_output, fancy=False if worker else None)
     job = _load(job_file, vram=vram, margin=margin, trials=trials, probe_steps=probe_steps, timeout=timeout)
-    meter, gpu_index = _meter(gpu, job, out)
-    if meter == "cuda":  # a dirty card would prune configurations that fit: check it first
+    budget_given = job.settings.vram_bytes is not None
+    meter, gpus = _meter(gpu, job, out)
+    if workers < 1:
+        raise UserError(f"--workers: must be at least 1, got {workers}")
+    if len(gpus) > 1 and workers > 1:
+        raise UserError("--workers is for the CPU; with --gpu 0,1,... there is one worker per GPU")
+    workers = max(workers, len(gpus))  # without CUDA, --gpu 0,1 still searches with two workers
+    if meter == "cuda" and not worker:  # a dirty card would prune configurations that fit: check first
         from fitfinder import preflight
 
-        preflight.ensure_clean(gpu_index, job.settings.vram_bytes, out, force=force)
+        for index in gpus:
+            preflight.ensure_clean(index, job.settings.vram_bytes, out, force=force)
     name = _study_name(study or job.name)
-    options = searching.SearchOptions(study_name=name, meter=meter, gpu=gpu_index, storage=storage,
-                                      studies_dir=studies_dir, results_dir=results_dir)
+    options = searching.SearchOptions(study_name=name, meter=meter, gpu=gpus[0], storage=storage,
+                                      studies_dir=studies_dir, results_dir=results_dir, workers=workers,
+                                      gpus=tuple(gpus) if meter == "cuda" and len(gpus) > 1 else (),
+                                      worker=worker, card=card, budget_is_card=meter == "cuda" and not budget_given)
     summary = searching.run(job, options, out)
+    if summary is None:  # a worker: the search that launched it reports
+        return
     space_ = summary.space
     out.result(summary.as_json())
     report_file = results_dir / name / "report.html"
@@ -127,7 +141,8 @@ def probe(
 
     out = Output(json_output)
     job = _load(job_file, vram=vram, probe_steps=steps, timeout=timeout)
-    meter, gpu_index = _meter(gpu, job, out, need_budget=False)
+    meter, gpus = _meter(gpu, job, out, need_budget=False)
+    gpu_index = gpus[0]
     request = probing.request_for(job, job.settings.probe_steps, meter, job.settings.vram_bytes, gpu_index)
     result = probing.ProbeRunner(job.settings.probe_timeout).run(request)
     out.result(result)
@@ -278,20 +293,25 @@ def _check_options(options: dict) -> None:
             raise UserError(f"--{key.replace('_', '-')}: must be positive, got {options[key]}")
 
 
-def _meter(gpu: Optional[str], job, out, need_budget: bool = True) -> tuple[str, int]:
-    """cuda on the given GPU, or sim (with a one-line notice when a GPU was asked for but is absent)."""
+def _meter(gpu: Optional[str], job, out, need_budget: bool = True) -> tuple[str, list[int]]:
+    """cuda on the given GPUs (`0` or `0,1,2,3`), or sim (with a one-line notice when a GPU was
+    asked for but is absent). Without --vram the budget is the first card's memory."""
     if gpu is not None:
-        if not re.fullmatch(r"\d+", gpu.strip()):
-            raise UserError(f"--gpu: expected a device index such as 0, got {gpu!r}")
-        if cuda_device_count() > int(gpu):
+        if not re.fullmatch(r"\d+(,\d+)*", gpu.strip()):
+            raise UserError(f"--gpu: expected device indexes such as 0 or 0,1,2,3, got {gpu!r}")
+        gpus = [int(g) for g in gpu.strip().split(",")]
+        if len(set(gpus)) != len(gpus):
+            raise UserError(f"--gpu: each device once, got {gpu!r}")
+        present = cuda_device_count()
+        if all(index < present for index in gpus):
             if job.settings.vram_bytes is None:
-                job.settings.vram_bytes = gpu_total_bytes(int(gpu))
-            return "cuda", int(gpu)
+                job.settings.vram_bytes = gpu_total_bytes(gpus[0])
+            return "cuda", gpus
         out.note(f"no CUDA device {gpu} here; measuring on the CPU with the sim meter instead")
     if need_budget and job.settings.vram_bytes is None:
         raise UserError("the sim meter needs a memory budget: give --vram (e.g. --vram 24GiB) "
                         "or `fitfinder: {vram: 24GiB}` in the job file, or --gpu N on a machine with a GPU")
-    return "sim", 0
+    return "sim", [0] * (1 if gpu is None else len(gpu.split(",")))
 
 
 def cuda_device_count() -> int:

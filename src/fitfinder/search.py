@@ -351,6 +351,11 @@ class SearchOptions:
     storage: str | None = None
     studies_dir: Any = "studies"
     results_dir: Any = "results"
+    workers: int = 1  # worker processes on this machine
+    gpus: tuple[int, ...] = ()  # with the cuda meter: one worker per GPU
+    worker: bool = False  # this process is one of the workers a search launched
+    card: int | None = None  # a worker's physical GPU index (it sees only that card, as device 0)
+    budget_is_card: bool = False  # no --vram: the budget is the card's memory
 
 
 @dataclass
@@ -403,11 +408,15 @@ def drive(space: Space, known: Knowledge, probe_step, probes_run: int, max_probe
         probes_run += 1
 
 
-def run(job, options: SearchOptions, out) -> SearchSummary:
-    """Probe planned points until the best is confirmed or the trial cap is reached; export it."""
+def run(job, options: SearchOptions, out) -> SearchSummary | None:
+    """Probe planned points until the best is confirmed or the trial cap is reached; export it.
+
+    With several workers this process only launches them (one per GPU, or --workers on the
+    CPU), waits, and exports; a worker probes and returns None.
+    """
     from pathlib import Path
 
-    from fitfinder import probe, space as spaces, study as studies
+    from fitfinder import space as spaces, study as studies, worker as workers
 
     settings = job.settings
     space = spaces.build(job)
@@ -416,43 +425,23 @@ def run(job, options: SearchOptions, out) -> SearchSummary:
     url = studies.storage_url(options.study_name, Path(options.studies_dir), options.storage)
     study = studies.open_study(url, options.study_name, space,
                                {"budget_bytes": budget, "margin": settings.margin, "meter": options.meter,
-                                "job_file": str(job.source)})
-    known = studies.load_knowledge(study, space, limit, fail_running=True)
+                                "job_file": str(job.source), "budget_is_card": options.budget_is_card})
+    if options.worker:
+        workers.work(job, space, study, options, limit, out)
+        return None
+    known = studies.load_knowledge(study, space, limit)
     out.note(f"study {options.study_name} ({url}): {len(space.knobs)} knobs, {space.size()} points, "
              f"{len(known.results)} trials already known; budget {_fmt(budget)}, "
              f"limit {_fmt(limit)} after the {settings.margin:.0%} margin")
-    log_dir = Path(options.results_dir) / options.study_name / "probes"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    runner = probe.ProbeRunner(timeout_s=settings.probe_timeout)
-    faults = _faults_from_env()
-    recorded = studies.decided_keys(study, space)
-
-    def probe_step(step: Step) -> Result:
-        trial = studies.ask(study, space, step.point, step.purpose)
-        steps = settings.probe_steps * step.steps_factor
-        request = probe.request_for(space.apply(job, step.point), steps, options.meter, budget, options.gpu)
-        if trial.number in faults:
-            request["fault"] = faults[trial.number]
-        try:
-            outcome = runner.run(request, log_dir / f"trial-{trial.number:04d}.log")
-        except KeyboardInterrupt:
-            study.tell(trial, state=studies.fail_state(), skip_if_finished=True)
-            raise
-        result = known.add(result_from_probe(trial.number, step, outcome))
-        studies.record(study, trial, space, result, outcome, limit, step.purpose)
-        out.trial(space, result, budget, step.purpose)
-        out.advance()
-        _stop_if_probes_keep_failing(known.results, log_dir)
-        return result
-
-    def on_decided(point: Point, decider: Result) -> None:
-        if space.key(point) not in recorded:
-            recorded.add(space.key(point))
-            studies.record_decided(study, space, point, decider)
-
-    with out.progress(settings.trials, "probing"):
-        proven, probes_run = drive(space, known, probe_step, len(known.results), settings.trials, on_decided)
-    return _finish(job, space, study, known, options, settings, url, probes_run, proven, budget, limit, out)
+    count = len(options.gpus) or options.workers
+    if count > 1:
+        workers.launch(job, options, url, count, out)
+    else:
+        workers.work(job, space, study, options, limit, out)
+    known, pending = studies.read(study, space, limit)
+    proven = plan(space, known).point is None and not pending
+    return _finish(job, space, study, known, options, settings, url, studies.probes_in(study), proven,
+                   budget, limit, out)
 
 
 MAX_ERRORS_IN_A_ROW = 5

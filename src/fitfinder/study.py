@@ -16,12 +16,26 @@ speed or confirm (a confirmation runs longer).
 
 Objectives: `quality` (the lexicographic quality key as one integer, maximize) and
 `seconds_per_sample` (minimize).
+
+Several workers share one study (processes on one machine, machines on one PostgreSQL). Every
+planned point enters the study with `enqueue_trial`, and `ask` hands each waiting trial to exactly
+one worker. Two workers may still plan the same point at the same moment: of the trials with the
+same point and stage, the lowest-numbered one that did not fail is probed and the others are
+failed as duplicates. While a probe runs its worker records heartbeats; a trial whose heartbeat
+stops (its worker died) is failed by the next worker that looks, and retried once.
+
+The storage is SQLite (studies/NAME.db) unless `--storage` names another -- also with several
+workers on one machine: Optuna's journal file has no heartbeats, and a search writes a handful
+of rows per probe, seconds apart, which SQLite serializes without trouble. One thing SQLite does
+not do is lock the waiting trial a worker takes, so claims on a SQLite study hold a file lock
+beside it (benchmarks/scaleout.py measures both).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +54,40 @@ def storage_url(name: str, studies_dir: Path, storage: str | None) -> str:
     return f"sqlite:///{(studies_dir / f'{name}.db').resolve()}"
 
 
+def heartbeat() -> tuple[int, int]:
+    """(seconds between heartbeats, seconds of silence after which a trial is failed):
+    FITFINDER_HEARTBEAT="10,30" by default; tests shorten it."""
+    import os
+
+    interval, _, grace = os.environ.get("FITFINDER_HEARTBEAT", "10,30").partition(",")
+    return int(interval), int(grace or 3 * int(interval))
+
+
+def storage(url: str):
+    """An Optuna RDB storage with heartbeats, a retry of trials whose worker died, and patience
+    for SQLite's lock when several workers write at once."""
+    import optuna
+
+    import time
+
+    from sqlalchemy.exc import IntegrityError, ProgrammingError
+
+    interval, grace = heartbeat()
+    engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
+    for attempt in range(5):
+        try:
+            return optuna.storages.RDBStorage(
+                url, engine_kwargs=engine, heartbeat_interval=interval, grace_period=grace,
+                heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1),
+            )
+        except (IntegrityError, ProgrammingError):
+            # Workers starting together on an empty database race to create Optuna's tables:
+            # the loser sees them half made. A moment later they are all there.
+            if attempt == 4:
+                raise
+            time.sleep(0.5 * (attempt + 1))
+
+
 def open_study(url: str, name: str, space: Space, setup: dict[str, Any]):
     """Create the study, or load it to resume; refuses one made for a different space or budget."""
     import warnings
@@ -48,11 +96,21 @@ def open_study(url: str, name: str, space: Space, setup: dict[str, Any]):
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    # Heartbeats are meant for Study.optimize; ask-and-tell with a heartbeat thread per probe is
+    # what optimize does inside, so the warning says nothing here.
+    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
     signature = space_signature(space)
-    study = optuna.create_study(
-        storage=url, study_name=name, load_if_exists=True, directions=["maximize", "minimize"],
-        sampler=optuna.samplers.TPESampler(seed=0),
-    )
+    try:
+        study = optuna.create_study(
+            storage=storage(url), study_name=name, load_if_exists=True, directions=["maximize", "minimize"],
+            sampler=optuna.samplers.TPESampler(seed=0),
+        )
+    except ImportError as exc:  # e.g. postgresql:// without its driver
+        raise UserError(f"--storage {url}: {exc}; for PostgreSQL: pip install 'fitfinder[postgres]'") from None
+    except Exception as exc:  # noqa: BLE001 - a storage that cannot be reached is bad input
+        if type(exc).__module__.startswith("sqlalchemy"):
+            raise UserError(f"--storage {url}: cannot open it: {str(exc).splitlines()[0]}") from None
+        raise
     stored = study.user_attrs.get("space")
     if stored is None:
         study.set_metric_names(list(METRICS))
@@ -77,25 +135,36 @@ def distributions(space: Space) -> dict[str, Any]:
     return {k.name: optuna.distributions.CategoricalDistribution(list(k.candidates)) for k in space.knobs}
 
 
-def load_knowledge(study, space: Space, limit_bytes: int | None, fail_running: bool = False) -> Knowledge:
-    """Rebuild what is known from the finished trials.
+PROBED = ("ok", "oom", "error", "timeout")
 
-    With `fail_running` (one worker, starting up), trials still marked running were left by a
-    search that died mid-probe: they are marked failed so their points are planned again.
-    """
+
+def load_knowledge(study, space: Space, limit_bytes: int | None) -> Knowledge:
+    """What the finished probes of the study say."""
+    return read(study, space, limit_bytes)[0]
+
+
+def read(study, space: Space, limit_bytes: int | None) -> tuple[Knowledge, list[Point]]:
+    """The finished probes as Knowledge, and the points being probed or waiting for a worker."""
     from optuna.trial import TrialState
 
     known = Knowledge(space, limit_bytes)
+    pending = []
     for trial in study.get_trials(deepcopy=False):
-        if trial.state == TrialState.RUNNING and fail_running:
-            trial_id = trial._trial_id
-            study._storage.set_trial_user_attr(trial_id, "error", "the search stopped during this probe")
-            study._storage.set_trial_state_values(trial_id, TrialState.FAIL)
-            continue
-        finished = trial.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
-        if finished and trial.user_attrs.get("status") in ("ok", "oom", "error", "timeout"):
+        if trial.state in (TrialState.RUNNING, TrialState.WAITING):
+            point = params_of(trial)
+            if space.contains(point):  # a trial just asked for may still be writing its params
+                pending.append(point)
+        elif trial.state.is_finished() and trial.user_attrs.get("status") in PROBED:
             known.add(result_from_trial(trial))
-    return known
+    return known, pending
+
+
+def probes_in(study) -> int:
+    """Probes the study has run or is running (what the trial cap counts)."""
+    from optuna.trial import TrialState
+
+    return sum(1 for t in study.get_trials(deepcopy=False)
+               if t.user_attrs.get("status") in PROBED or t.state == TrialState.RUNNING)
 
 
 def result_from_trial(trial) -> Result:
@@ -114,14 +183,90 @@ def decided_keys(study, space: Space) -> set[tuple]:
             if t.user_attrs.get("status") == "decided"}
 
 
-def ask(study, space: Space, point: Point, purpose: str = ""):
-    """Enqueue the planned point and take it: the trial's parameters are exactly that point."""
-    study.enqueue_trial(point, user_attrs={"purpose": purpose}, skip_if_exists=False)
+def claim(study, space: Space, point: Point, purpose: str = ""):
+    """Enqueue the planned point and take the oldest waiting trial: this worker's point, one
+    planned by another worker, or a retry. None when that trial turns out to be a duplicate."""
+    with _claim_lock(study):
+        study.enqueue_trial(point, user_attrs={"purpose": purpose}, skip_if_exists=False)
+        return _take(study, space)
+
+
+def claim_waiting(study, space: Space):
+    """Take a waiting trial (a retry, or a point its planner left), or None if there is none."""
+    from optuna.trial import TrialState
+
+    with _claim_lock(study):
+        if not study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            return None
+        return _take(study, space)
+
+
+def _take(study, space: Space):
     trial = study.ask(distributions(space))
-    if {k: trial.params.get(k) for k in point} != point:  # an older enqueued point came first
-        study.tell(trial, state=fail_state(), skip_if_finished=True)
-        trial = study.ask(distributions(space))
+    if "purpose" not in trial.user_attrs:  # nothing was waiting: the sampler made this one up
+        trial.set_user_attr("error", "nothing was waiting any more")
+        study.tell(trial, state=fail_state())
+        return None
+    twin = _earlier_twin(study, trial)
+    if twin is not None:
+        trial.set_user_attr("error", f"duplicate of trial {twin}, planned by another worker at the same time")
+        study.tell(trial, state=fail_state())
+        return None
     return trial
+
+
+@contextmanager
+def _claim_lock(study):
+    """Serialize claims on a SQLite study across the processes of this machine.
+
+    Optuna hands a waiting trial to one worker by reading that it waits, then marking it
+    running; PostgreSQL locks the row in between, SQLite does not (measured: two workers took
+    the same trial), so on SQLite a file lock beside the database makes the claim atomic.
+    """
+    url = str(getattr(study._storage, "url", ""))
+    if not url.startswith("sqlite:///"):
+        yield
+        return
+    import fcntl
+
+    with open(url[len("sqlite:///"):] + ".lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _earlier_twin(study, trial) -> int | None:
+    """An earlier trial of the same point and stage that did not fail: it is the one to probe."""
+    from optuna.trial import TrialState
+
+    purpose = trial.user_attrs.get("purpose")
+    for other in study.get_trials(deepcopy=False, states=(TrialState.WAITING, TrialState.RUNNING,
+                                                          TrialState.COMPLETE, TrialState.PRUNED)):
+        if (other.number < trial.number and params_of(other) == trial.params
+                and other.user_attrs.get("purpose") == purpose and other.user_attrs.get("status") != "decided"):
+            return other.number
+    return None
+
+
+def params_of(trial) -> dict:
+    """A trial's point: its parameters, or for a trial still waiting, the ones it was enqueued with."""
+    return dict(trial.params or trial.system_attrs.get("fixed_params") or {})
+
+
+def heartbeat_while(study, trial):
+    """A context that records the trial's heartbeat while its probe runs."""
+    from optuna.storages._heartbeat import get_heartbeat_thread
+
+    return get_heartbeat_thread(trial._trial_id, study._storage)
+
+
+def fail_stale(study) -> None:
+    """Fail the trials whose worker stopped sending heartbeats; each is retried once."""
+    import optuna
+
+    optuna.storages.fail_stale_trials(study)
 
 
 def fail_state():
@@ -145,8 +290,22 @@ def record_decided(study, space: Space, point: Point, decider: Result) -> None:
 
 
 def record(study, trial, space: Space, result: Result, probe_result: dict[str, Any], limit_bytes: int | None,
-           purpose: str = "") -> None:
-    """Write the probe's facts as user attributes and finish the trial in the matching state."""
+           purpose: str = "") -> bool:
+    """Write the probe's facts as user attributes and finish the trial in the matching state.
+
+    False when the study had already given the trial up (its heartbeat went stale): the result
+    is dropped, and the retry stands.
+    """
+    import optuna
+
+    try:
+        _record(study, trial, space, result, probe_result, limit_bytes, purpose)
+    except optuna.exceptions.UpdateFinishedTrialError:
+        return False
+    return True
+
+
+def _record(study, trial, space, result, probe_result, limit_bytes, purpose) -> None:
     from optuna.trial import TrialState
 
     attrs = {

@@ -1,0 +1,130 @@
+"""Scale-out: wall time to the winner with 1, 2 and 4 sim workers, and SQLite under several writers.
+
+1. The demo search (configs/demo.yaml, sim meter) from an empty study with `--workers N`, each
+   run in a fresh folder: wall seconds to the exported winner, probes run, and the winner.
+   On this machine the workers share 2 CPU cores, so probes running side by side slow each
+   other down: the speed-up is bounded by the cores, not by the plan. On N GPUs each worker has
+   its own card.
+2. The storage: N processes each claiming and recording trials as fast as they can (no probe in
+   between) on one SQLite study with heartbeats -- far more writes per second than a search ever
+   makes -- counting errors, to back the choice of SQLite as the default for several workers.
+
+    python benchmarks/scaleout.py [--workers 1 2 4] [--repeat 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+
+def search_once(workers: int) -> dict:
+    folder = Path(tempfile.mkdtemp(prefix="fitfinder-scaleout-"))
+    try:
+        (folder / "configs").mkdir()
+        shutil.copy(ROOT / "configs" / "demo.yaml", folder / "configs" / "demo.yaml")
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+        started = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "fitfinder", "search", "configs/demo.yaml", "--json",
+                               "--workers", str(workers)], cwd=folder, env=env, capture_output=True, text=True)
+        seconds = time.perf_counter() - started
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr[-2000:])
+        summary = json.loads(done.stdout)
+        return {"workers": workers, "seconds": seconds, "probes": summary["probes_run"], "best": summary["best"]}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _hammer(url: str, count: int, queue) -> None:
+    """One writer: enqueue, claim and record `count` trials as fast as possible."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from fitfinder import jobconfig, search, space as spaces, study as studies
+
+    job = jobconfig.load(ROOT / "configs" / "demo.yaml")
+    space = spaces.build(job)
+    study = studies.open_study(url, "stress", space, {"budget_bytes": None})
+    points = list(space.points())
+    errors, started = 0, time.perf_counter()
+    for index in range(count):
+        try:
+            trial = studies.claim(study, space, points[(index * 7 + os.getpid()) % len(points)], "quality")
+            if trial is None:
+                continue
+            step = search.Step(dict(trial.params), "quality")
+            outcome = {"status": "ok", "peak_bytes": 1, "phases": {"train": 1}, "seconds_per_step": 0.1}
+            result = search.Knowledge(space, None).add(search.result_from_probe(trial.number, step, outcome))
+            studies.record(study, trial, space, result, outcome, None, "quality")
+        except Exception as exc:  # noqa: BLE001 - what we count
+            errors += 1
+            print(f"  writer {os.getpid()}: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
+    queue.put((errors, time.perf_counter() - started))
+
+
+def stress_sqlite(writers: int, per_writer: int) -> dict:
+    folder = Path(tempfile.mkdtemp(prefix="fitfinder-sqlite-"))
+    try:
+        url = f"sqlite:///{folder / 'stress.db'}"
+        context = multiprocessing.get_context("spawn")
+        queue = context.Queue()
+        # the study exists before the writers start, as `fitfinder search` creates it first
+        _hammer(url, 0, queue)
+        queue.get()
+        processes = [context.Process(target=_hammer, args=(url, per_writer, queue)) for _ in range(writers)]
+        started = time.perf_counter()
+        for process in processes:
+            process.start()
+        results = [queue.get() for _ in processes]
+        for process in processes:
+            process.join()
+        seconds = time.perf_counter() - started
+        return {"writers": writers, "trials": writers * per_writer, "errors": sum(e for e, _ in results),
+                "seconds": seconds}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--repeat", type=int, default=1, help="runs per worker count (the best is kept)")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args()
+
+    rows = []
+    for workers in args.workers:
+        runs = [search_once(workers) for _ in range(args.repeat)]
+        rows.append(min(runs, key=lambda r: r["seconds"]))
+    base = rows[0]["seconds"]
+    print(f"demo search on {os.cpu_count()} CPU cores (sim meter)")
+    print(f"{'workers':>8}{'wall s':>9}{'speed-up':>10}{'probes':>8}  winner")
+    for row in rows:
+        winner = " ".join(f"{k}={v}" for k, v in row["best"].items())
+        print(f"{row['workers']:>8}{row['seconds']:>9.1f}{base / row['seconds']:>9.2f}x{row['probes']:>8}  {winner}")
+    same = all(row["best"] == rows[0]["best"] for row in rows)
+    print(f"same winner for every worker count: {'yes' if same else 'NO'}")
+
+    stress = [stress_sqlite(n, 60) for n in (1, 4, 8)]
+    print(f"\nSQLite with heartbeats, writers claiming and recording trials back to back")
+    print(f"{'writers':>8}{'trials':>8}{'errors':>8}{'trials/s':>10}")
+    for row in stress:
+        print(f"{row['writers']:>8}{row['trials']:>8}{row['errors']:>8}{row['trials'] / row['seconds']:>10.1f}")
+    if args.json:
+        args.json.write_text(json.dumps({"search": rows, "sqlite": stress}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

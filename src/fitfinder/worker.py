@@ -1,0 +1,179 @@
+"""A worker: one process probing the planned points of a study, alone or beside others.
+
+Every worker runs the same loop against the shared study: fail the trials of workers that died
+(heartbeats), read what is known and what others are probing, ask the plan for a point nobody
+probes yet (search.plan_around), claim it through the study, probe it while recording
+heartbeats, record the result. `launch` starts one worker process per GPU (each sees only its
+card through CUDA_VISIBLE_DEVICES) or `--workers N` on the CPU; machines join a PostgreSQL study
+by running the same command.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from fitfinder import search
+from fitfinder.errors import RunFailed, UserError
+from fitfinder.search import Result, Step
+
+
+def work(job, space, study, options, limit: int | None, out) -> None:
+    """Probe the study's planned points until the plan is done or the trial cap is reached."""
+    from fitfinder import probe, study as studies
+
+    settings = job.settings
+    log_dir = Path(options.results_dir) / options.study_name / "probes"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    card = _card(options)
+    _refuse_a_different_card(study, card, options.study_name)
+    runner = probe.ProbeRunner(timeout_s=settings.probe_timeout)
+    faults = search._faults_from_env()
+    pause = min(studies.heartbeat()[0], 2)
+    with out.progress(settings.trials, "probing"):
+        while True:
+            studies.fail_stale(study)
+            known, pending = studies.read(study, space, limit)
+            search._stop_if_probes_keep_failing(known.results, log_dir)
+            step = search.plan_around(space, known, pending)
+            _record_decided(study, space, step.decided)
+            if studies.probes_in(study) >= settings.trials:
+                return
+            if step.point is None:
+                if not pending:
+                    return
+                trial = studies.claim_waiting(study, space)  # a retry, or a point nobody took
+                if trial is None:
+                    time.sleep(pause)  # others are probing what the plan waits for
+                    continue
+            else:
+                trial = studies.claim(study, space, step.point, step.purpose)
+            if trial is not None:
+                _probe(trial, job, space, study, options, limit, runner, faults, log_dir, card, out)
+
+
+def _probe(trial, job, space, study, options, limit, runner, faults, log_dir, card, out) -> None:
+    """Probe the claimed trial's point (maybe planned by another worker) and record it."""
+    from fitfinder import probe, study as studies
+
+    purpose = trial.user_attrs.get("purpose", "")
+    step = Step(dict(trial.params), purpose, search.CONFIRM_FACTOR if purpose == "confirm" else 1)
+    settings = job.settings
+    request = probe.request_for(space.apply(job, step.point), settings.probe_steps * step.steps_factor,
+                                options.meter, settings.vram_bytes, options.gpu)
+    if trial.number in faults:
+        request["fault"] = faults[trial.number]
+    trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
+    trial.set_user_attr("card", card["name"])
+    trial.set_user_attr("card_total_bytes", card["total_bytes"])
+    try:
+        with studies.heartbeat_while(study, trial):
+            outcome = runner.run(request, log_dir / f"trial-{trial.number:04d}.log")
+    except KeyboardInterrupt:
+        study.tell(trial, state=studies.fail_state(), skip_if_finished=True)
+        raise
+    result = search.result_from_probe(trial.number, step, outcome)
+    judged = search.Knowledge(space, limit).add(result)
+    if studies.record(study, trial, space, judged, outcome, limit, purpose):
+        out.trial(space, judged, settings.vram_bytes, purpose)
+        out.advance()
+
+
+def _record_decided(study, space, decided: list[tuple[dict, Result]]) -> None:
+    from fitfinder import study as studies
+
+    if not decided:
+        return
+    recorded = studies.decided_keys(study, space)
+    for point, decider in decided:
+        if space.key(point) not in recorded:
+            recorded.add(space.key(point))
+            studies.record_decided(study, space, point, decider)
+
+
+# -- cards --------------------------------------------------------------------------------------
+def _card(options) -> dict:
+    """The card this worker measures on: its name and total memory (NVML, no CUDA context)."""
+    if options.meter != "cuda":
+        return {"name": "cpu (sim meter)", "total_bytes": None}
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(options.card if options.card is not None else options.gpu)
+        name = pynvml.nvmlDeviceGetName(handle)
+        return {"name": name.decode() if isinstance(name, bytes) else str(name),
+                "total_bytes": int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)}
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _refuse_a_different_card(study, card: dict, name: str) -> None:
+    """A study whose budget is 'the whole card' must not mix cards of different sizes."""
+    if not study.user_attrs.get("budget_is_card") or card["total_bytes"] is None:
+        return
+    for trial in study.get_trials(deepcopy=False):
+        other = trial.user_attrs.get("card_total_bytes")
+        if other and other != card["total_bytes"]:
+            from fitfinder.units import format_bytes
+
+            raise UserError(
+                f"study {name!r} was measured on {trial.user_attrs.get('card')} ({format_bytes(other)}); "
+                f"this card is a {card['name']} ({format_bytes(card['total_bytes'])}): give --vram to "
+                "search with one budget for all cards, or use another --study"
+            )
+
+
+# -- launching ------------------------------------------------------------------------------------
+def launch(job, options, url: str, count: int, out) -> None:
+    """Start `count` worker processes on the study, relay their lines, wait for them all."""
+    processes = []
+    for index in range(count):
+        env = dict(os.environ)
+        gpu_note = "on the CPU"
+        if options.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = str(options.gpus[index])
+            gpu_note = f"on GPU {options.gpus[index]}"
+        command = worker_command(job, options, url, index)
+        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        out.note(f"worker {index + 1} (pid {process.pid}) {gpu_note}")
+        relay = threading.Thread(target=_relay, args=(process, f"[w{index + 1}] ", out), daemon=True)
+        relay.start()
+        processes.append((index + 1, process, relay))
+    try:
+        for number, process, relay in processes:
+            code = process.wait()
+            relay.join()
+            if code != 0:
+                out.note(f"worker {number} (pid {process.pid}) ended with code {code}; "
+                         "the others retry its unfinished trial")
+    except KeyboardInterrupt:
+        for _, process, _ in processes:
+            process.terminate()
+        raise
+    if all(process.returncode != 0 for _, process, _ in processes):
+        raise RunFailed("every worker failed; see their lines above")
+
+
+def worker_command(job, options, url: str, index: int) -> list[str]:
+    """The `fitfinder search` command line of one worker, with this search's effective settings."""
+    settings = job.settings
+    command = [sys.executable, "-m", "fitfinder", "search", str(job.source), "--worker",
+               "--storage", url, "--study", options.study_name, "--results-dir", str(options.results_dir),
+               "--margin", str(settings.margin), "--trials", str(settings.trials),
+               "--probe-steps", str(settings.probe_steps), "--timeout", str(settings.probe_timeout)]
+    if settings.vram_bytes is not None:
+        command += ["--vram", str(settings.vram_bytes)]
+    if options.gpus:
+        command += ["--gpu", "0", "--card", str(options.gpus[index])]
+    return command
+
+
+def _relay(process, prefix: str, out) -> None:
+    for line in process.stdout:
+        out.line(prefix + line.rstrip("\n"))

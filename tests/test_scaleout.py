@@ -1,0 +1,116 @@
+"""Scale-out: several worker processes, on one machine or several, share one study."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+
+from tests import pgserver
+from tests.conftest import cli_env, run_cli
+
+pytestmark = pytest.mark.slow
+NAME = "demo_flux_lora"
+FAST_HEARTBEAT = {"FITFINDER_HEARTBEAT": "1,4"}  # a dead worker's trial is failed after 4 s
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    """A real PostgreSQL server: the one .ci/run started, or a throwaway one on a free port."""
+    url = os.environ.get("FITFINDER_TEST_POSTGRES")
+    if url:
+        yield url
+        return
+    if pgserver.binaries() is None:
+        if os.environ.get("FITFINDER_REQUIRE_POSTGRES"):
+            pytest.fail("PostgreSQL is not installed (apt-get install postgresql)")
+        pytest.skip("PostgreSQL is not installed (apt-get install postgresql)")
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="fitfinder-pg-"))  # not under pytest's private tmp: the
+    os.chmod(folder, 0o755)                                  # server runs as another user
+    try:
+        url = pgserver.start(folder / "server")
+        yield url
+    finally:
+        pgserver.stop(folder / "server")
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _probed(study):
+    """(point, stage) of every trial that ran a probe, duplicates and retries included."""
+    return [(json.dumps(t.params, sort_keys=True), t.user_attrs.get("purpose")) for t in study.trials
+            if t.user_attrs.get("status") in ("ok", "oom", "error", "timeout")]
+
+
+def _assert_nothing_lost(study):
+    states = {t.state for t in study.trials}
+    assert optuna.trial.TrialState.WAITING not in states and optuna.trial.TrialState.RUNNING not in states
+
+
+def test_three_workers_on_two_machines_share_a_postgres_study(postgres, workdir, demo_run):
+    """One command with two workers and a second command (another machine) with one, on one
+    PostgreSQL study: no point probed twice, none lost, the winner of a single worker."""
+    command = [sys.executable, "-m", "fitfinder", "search", "configs/demo.yaml", "--json", "--storage", postgres]
+    first = subprocess.Popen([*command, "--workers", "2"], cwd=workdir, env=cli_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    second_dir = workdir / "second-machine"
+    second_dir.mkdir()
+    (second_dir / "configs").mkdir()
+    (second_dir / "configs" / "demo.yaml").write_text((workdir / "configs" / "demo.yaml").read_text())
+    second = subprocess.run(command, cwd=second_dir, env=cli_env(), capture_output=True, text=True, timeout=900)
+    out, err = first.communicate(timeout=900)
+    assert first.returncode == 0, err
+    assert second.returncode == 0, second.stderr
+    winners = [json.loads(out)["best"], json.loads(second.stdout)["best"]]
+    single_worker_winner = demo_run[1]["best"]
+    assert winners == [single_worker_winner, single_worker_winner]
+
+    study = optuna.load_study(study_name=NAME, storage=postgres)
+    probed = _probed(study)
+    assert len(probed) == len(set(probed)), "a point was probed twice"
+    _assert_nothing_lost(study)
+    workers = {t.user_attrs.get("worker") for t in study.trials if t.user_attrs.get("status") in ("ok", "oom")}
+    assert len(workers) == 3  # every worker probed
+
+
+def test_a_killed_worker_is_replaced_and_its_trial_retried(workdir, demo_run):
+    search = subprocess.Popen([sys.executable, "-m", "fitfinder", "search", "configs/demo.yaml", "--workers", "3"],
+                              cwd=workdir, env=cli_env(**FAST_HEARTBEAT), stdout=subprocess.PIPE, text=True)
+    pids = {}
+    for line in search.stdout:  # "fitfinder: worker 2 (pid 1234) on the CPU"
+        if line.startswith("fitfinder: worker"):
+            pids[int(line.split()[2])] = int(line.split("pid ")[1].split(")")[0])
+        if len(pids) == 3:
+            break
+    storage = f"sqlite:///{workdir / 'studies' / f'{NAME}.db'}"
+    victim, killed_trial = pids[2], None
+    deadline = time.monotonic() + 300
+    while killed_trial is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+        for trial in optuna.load_study(study_name=NAME, storage=storage).trials:
+            if trial.state == optuna.trial.TrialState.RUNNING and trial.user_attrs.get("worker", "").endswith(f":{victim}"):
+                os.kill(victim, signal.SIGKILL)
+                killed_trial = trial
+                break
+    assert killed_trial is not None, "worker 2 never ran a trial"
+    rest = search.stdout.read()
+    assert search.wait(timeout=900) == 0
+    assert f"worker 2 (pid {victim}) ended with code -9" in rest
+
+    study = optuna.load_study(study_name=NAME, storage=storage)
+    dead = study.trials[killed_trial.number]
+    assert dead.state == optuna.trial.TrialState.FAIL  # failed by a live worker once its heartbeat stopped
+    retries = [t for t in study.trials if t.system_attrs.get("failed_trial") == dead.number]
+    assert len(retries) == 1 and retries[0].params == dead.params
+    assert retries[0].state.is_finished() and retries[0].user_attrs.get("status") in ("ok", "oom")
+    assert retries[0].user_attrs["worker"] != dead.user_attrs["worker"]
+    _assert_nothing_lost(study)
+    best = json.loads((workdir / "results" / NAME / "summary.json").read_text())["best"]
+    assert best == demo_run[1]["best"]
