@@ -39,6 +39,10 @@ sys.path.insert(0, str(ROOT / "src"))
 from fitfinder import jobconfig, probe, search, space as spaces  # noqa: E402
 
 CACHE = ROOT / "benchmarks" / "cache"
+# The ground truth's speeds are medians of three timings (Speeds), and on the CPU offloading
+# costs no time at all: a winner of the optimum's quality counts as the optimum when its seconds
+# per sample are within this share of the fastest. Exact matches are counted too.
+SPEED_TIE = 0.10
 GRID_STEPS = 4  # probe steps per grid point: peaks do not depend on it past 3 (largest shape at 0, mid, end)
 MARGIN = 0.05
 TRIAL_CAP = 40  # fitfinder's default --trials, also TPE's cap
@@ -190,12 +194,45 @@ class Lookup:
         return self.grid[self.space.key(point)]["seconds_per_step"] / point.get("batch", 1)
 
 
-def true_optimum(space, grid, budget) -> dict | None:
+class Speeds:
+    """Seconds per sample for the ground truth: the median of the grid's timing and two more runs
+    of the same probe (cached), since one timing on a shared machine can be off by half."""
+
+    RUNS = 3
+
+    def __init__(self, name: str, job, space, grid, runner):
+        self.job, self.space, self.grid, self.runner = job, space, grid, runner
+        key = hashlib.sha256((job_text(job) + code_version()).encode()).hexdigest()[:12]
+        self.path = CACHE / f"speeds-{name}-{key}.json"
+        self.timings = json.loads(self.path.read_text()) if self.path.exists() else {}
+
+    def of(self, point: dict) -> float:
+        key = json.dumps(list(self.space.key(point)))
+        timings = self.timings.setdefault(key, [self.grid[self.space.key(point)]["seconds_per_step"]])
+        while len(timings) < self.RUNS:
+            request = probe.request_for(self.space.apply(self.job, point), GRID_STEPS, "sim", None)
+            timings.append(self.runner.run(request)["seconds_per_step"])
+            self.path.write_text(json.dumps(self.timings))
+        return sorted(timings)[len(timings) // 2] / point.get("batch", 1)
+
+
+def true_optimum(space, grid, budget, speeds: Speeds) -> dict | None:
+    """The best quality that fits, then the fewest seconds per sample (medians of three runs)."""
     limit = int(budget * (1 - MARGIN))
     feasible = [p for p in space.points() if _fits(at_budget(grid[space.key(p)], budget), limit)]
     if not feasible:
         return None
-    return max(feasible, key=lambda p: (space.quality_key(p), -grid[space.key(p)]["seconds_per_step"] / p.get("batch", 1)))
+    top = max(space.quality_key(p) for p in feasible)
+    return min((p for p in feasible if space.quality_key(p) == top), key=speeds.of)
+
+
+def is_optimum(space, winner: dict | None, optimum: dict | None, speeds: Speeds) -> bool:
+    """The optimum's quality, and as fast as it within SPEED_TIE (or both are 'nothing fits')."""
+    if winner is None or optimum is None:
+        return winner is None and optimum is None
+    if space.quality_key(winner) != space.quality_key(optimum):
+        return False
+    return speeds.of(winner) <= speeds.of(optimum) * (1 + SPEED_TIE)
 
 
 def _fits(answer: dict, limit: int) -> bool:
@@ -364,21 +401,24 @@ def main() -> None:
     args = parser.parse_args()
 
     runner = probe.ProbeRunner(timeout_s=300)
-    totals = {name: {"optimum_found": 0, "probes": 0, "probe_seconds": 0.0} for name in STRATEGIES}
+    totals = {name: {"optimum_found": 0, "exact": 0, "probes": 0, "probe_seconds": 0.0} for name in STRATEGIES}
     rows, count, mismatches = [], 0, 0
     rng = random.Random(0)
     for name, job, space in scenarios(args.only):
         grid = measure_grid(name, job, space, runner)
+        speeds = Speeds(name, job, space, grid, runner)
         for budget in budgets_for(space, grid):
             if args.verify:
                 mismatches += verify(space, job, grid, budget, runner, args.verify, rng)
-            optimum = true_optimum(space, grid, budget)
+            optimum = true_optimum(space, grid, budget, speeds)
             count += 1
             row = {"scenario": f"{name}@{budget / 2**20:.1f}MiB", "points": space.size()}
             for strategy, run in STRATEGIES.items():
                 lookup = Lookup(space, grid, budget)
-                found = run(space, lookup) == optimum
+                winner = run(space, lookup)
+                found = is_optimum(space, winner, optimum, speeds)
                 totals[strategy]["optimum_found"] += found
+                totals[strategy]["exact"] += winner == optimum
                 totals[strategy]["probes"] += lookup.probes
                 totals[strategy]["probe_seconds"] += lookup.seconds
                 row[strategy] = f"{lookup.probes}{'' if found else '*'}"
@@ -397,11 +437,13 @@ def _print(rows, totals, count, mismatches, verified) -> None:
         print(f"{row['scenario']:<24}{row['points']:>7}" + "".join(f"{row[n]:>11}" for n in names))
     print("(probes per scenario; * = missed the true optimum)\n")
     grid_probes = totals["grid"]["probes"]
-    print(f"{'strategy':<12}{'optimum found':>15}{'probes':>9}{'% of grid':>11}{'probe-seconds':>15}")
+    print(f"{'strategy':<12}{'optimum found':>15}{'exact':>7}{'probes':>9}{'% of grid':>11}{'probe-seconds':>15}")
     for name in names:
         t = totals[name]
-        print(f"{name:<12}{t['optimum_found']:>8}/{count:<6}{t['probes']:>9}{100 * t['probes'] / grid_probes:>10.1f}%"
-              f"{t['probe_seconds']:>15.1f}")
+        print(f"{name:<12}{t['optimum_found']:>8}/{count:<6}{t['exact']:>7}{t['probes']:>9}"
+              f"{100 * t['probes'] / grid_probes:>10.1f}%{t['probe_seconds']:>15.1f}")
+    print(f"(optimum found: the best quality, and seconds per sample within {SPEED_TIE:.0%} of the fastest; "
+          "exact: the very point)")
     ff, tpe = totals["fitfinder"]["probes"], totals["tpe"]["probes"]
     print(f"\nfitfinder: {ff / grid_probes:.1%} of the grid's probes, {ff / tpe:.0%} of TPE's")
     if verified:

@@ -222,13 +222,13 @@ def test_probes_that_each_fit_one_phase_prove_a_point_they_never_ran():
     has a witness."""
     space = make_space()
     known = search.Knowledge(space, 100 * MiB)
-    light = space.lightest()
+    light = {**space.lightest(), "sampling": True}
     trains_big = {**light, "buckets": space.by_name["buckets"].desired, "batch": 4}
-    samples_big = {**light, "sampling": True, "sample_size": "1024x1024"}
-    both = {**light, "buckets": trains_big["buckets"], "batch": 4, "sampling": True, "sample_size": "1024x1024"}
+    samples_big = {**light, "sample_size": "1024x1024"}
+    both = {**light, "buckets": trains_big["buckets"], "batch": 4, "sample_size": "1024x1024"}
     peaks = {phase: 10 * MiB for phase in ("load", "text_encoder", "latents", "train")}
     known.add(search.Result(trial=0, point=trains_big, status="ok", peak_bytes=10 * MiB, phases=peaks))
-    assert known.state(both) is None  # nobody has sampled yet
+    assert known.state(both) is None  # nobody has sampled large previews yet
     known.add(search.Result(trial=1, point=samples_big, status="ok", peak_bytes=10 * MiB,
                             phases={**peaks, "sample": 10 * MiB, "last_sample": 10 * MiB}))
     state, witness = known.decider(both)

@@ -203,13 +203,18 @@ def _recipe(request: dict, meter, result: dict) -> None:
         pipe = models.load_pipeline(request["model"], request, meter)
     with _phase("text_encoder", pipe, request):
         prompts = _encode_text(pipe, request)
+    # The captions' embeddings wait on the host until the steps that use them, as a trainer keeps
+    # cached embeddings (or encodes each batch when its step comes); the sample prompts stay.
+    prompts["train"] = {key: meter.to_host(value) for key, value in prompts["train"].items()}
     with _phase("latents", pipe, request):
         _encode_latents(pipe, request)
     if sample["first"]:
         with _phase("sample", pipe, request):
             _sample(pipe, request, prompts)
     with _phase("train", pipe, request):
+        prompts["train"] = {key: meter.to_device(value) for key, value in prompts["train"].items()}
         _train(pipe, request, prompts, result)
+    del prompts["train"]  # and end with the training steps
     if sample["last"]:
         with _phase("last_sample", pipe, request):
             _sample(pipe, request, prompts)

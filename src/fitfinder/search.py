@@ -165,11 +165,12 @@ def plan(space: Space, known: Knowledge) -> Step:
     desired = space.desired()
     if not known.probed(desired):
         return Step(desired, "base")
-    for purpose, stage in (("rollback", _rollback), ("quality", _quality_stage)):
-        point = stage(space, known, decided)
-        if point is not None:
-            return Step(point, purpose, decided=decided)
-    quality = _best_quality(space, known)
+    point = _rollback(space, known, decided)
+    if point is not None:
+        return Step(point, "rollback", decided=decided)
+    point, quality = _quality_stage(space, known, decided)
+    if point is not None:
+        return Step(point, "quality", decided=decided)
     if quality is not None:
         point = _speed_stage(space, known, quality, decided)
         if point is not None:
@@ -257,8 +258,9 @@ def _lightest_speed(space: Space) -> Point:
     return {k.name: k.candidates[0] for k in space.speed_knobs}
 
 
-def _quality_stage(space: Space, known: Knowledge, decided: list) -> Point | None:
-    """The next probe towards the best quality, or None once it is known (or nothing fits)."""
+def _quality_stage(space: Space, known: Knowledge, decided: list) -> tuple[Point | None, Point | None]:
+    """(the next probe towards the best quality, None), or (None, the best quality values) once
+    they are settled, or (None, None) when nothing fits."""
     light = _lightest_speed(space)
     quality = space.quality_knobs
     fixed: Point = {}
@@ -266,9 +268,9 @@ def _quality_stage(space: Space, known: Knowledge, decided: list) -> Point | Non
         optimistic = {**fixed, **{k.name: k.desired for k in quality[i:]}, **light}
         state = _consider(known, optimistic, decided)
         if state is None:
-            return optimistic
+            return optimistic, None
         if state == FIT:
-            return None
+            return None, {**fixed, **{k.name: k.desired for k in quality[i:]}}
         lower = {k.name: k.candidates[0] for k in quality[i + 1:]}
         top = knob.level(knob.desired)
         lo, hi = _bounds(known, lambda level: {**fixed, knob.name: knob.candidates[level], **lower, **light}, top)
@@ -276,19 +278,11 @@ def _quality_stage(space: Space, known: Knowledge, decided: list) -> Point | Non
             # The desired value with every later knob at its lightest first: the later knobs are
             # what usually broke the optimistic point. Then bisect, leaning high.
             level = top if hi > top else (lo + hi + 1) // 2
-            return {**fixed, knob.name: knob.candidates[level], **lower, **light}
+            return {**fixed, knob.name: knob.candidates[level], **lower, **light}, None
         if lo < 0:
-            return None  # not even the lightest value fits after the fixed ones
+            return None, None  # not even the lightest value fits after the fixed ones
         fixed[knob.name] = knob.candidates[lo]
-    return None
-
-
-def _best_quality(space: Space, known: Knowledge) -> Point | None:
-    """The quality values of the best point known to fit (the quality stage has settled)."""
-    winner = best(space, known)
-    if winner is None:
-        return None
-    return {k.name: winner.point[k.name] for k in space.quality_knobs}
+    return None, fixed
 
 
 def _bounds(known: Knowledge, line, top: int) -> tuple[int, int]:

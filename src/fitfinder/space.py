@@ -361,7 +361,10 @@ def _sampling(job: JobFile, override: list | None, video: bool) -> Knob | None:
     values = [False, True] if override is None else _with_desired(
         override, desired, lambda v: isinstance(v, bool), "true or false")
     values = [v for v in (False, True) if v in values and (v <= desired)]
-    return Knob("sampling", "quality", tuple(values), desired, ("train.disable_sampling",), _PREVIEW)
+    # The sample prompts are encoded with the captions and kept for the last preview: sampling
+    # at all weighs on every phase from the text encoder on, however large the previews are.
+    return Knob("sampling", "quality", tuple(values), desired, ("train.disable_sampling",),
+                _ALL - {"load"})
 
 
 def _apply_sampling(job: JobFile, on: bool, space: Space) -> None:
