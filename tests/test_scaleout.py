@@ -14,7 +14,7 @@ import pytest
 from tests import pgserver
 from tests.conftest import cli_env, run_cli
 
-pytestmark = pytest.mark.slow
+
 NAME = "demo_flux_lora"
 FAST_HEARTBEAT = {"FITFINDER_HEARTBEAT": "1,4"}  # a dead worker's trial is failed after 4 s
 
@@ -54,6 +54,7 @@ def _assert_nothing_lost(study):
     assert optuna.trial.TrialState.WAITING not in states and optuna.trial.TrialState.RUNNING not in states
 
 
+@pytest.mark.slow
 def test_three_workers_on_two_machines_share_a_postgres_study(postgres, workdir, demo_run):
     """One command with two workers and a second command (another machine) with one, on one
     PostgreSQL study: no point probed twice, none lost, the winner of a single worker."""
@@ -80,6 +81,7 @@ def test_three_workers_on_two_machines_share_a_postgres_study(postgres, workdir,
     assert len(workers) == 3  # every worker probed
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_replaced_and_its_trial_retried(workdir, demo_run):
     search = subprocess.Popen([sys.executable, "-m", "fitfinder", "search", "configs/demo.yaml", "--workers", "3"],
                               cwd=workdir, env=cli_env(**FAST_HEARTBEAT), stdout=subprocess.PIPE, text=True)
@@ -114,3 +116,29 @@ def test_a_killed_worker_is_replaced_and_its_trial_retried(workdir, demo_run):
     _assert_nothing_lost(study)
     best = json.loads((workdir / "results" / NAME / "summary.json").read_text())["best"]
     assert best == demo_run[1]["best"]
+
+
+def test_a_study_whose_budget_is_the_card_refuses_a_card_of_another_size(tmp_path):
+    """Each trial records its card; a worker on a card of another size is refused, with the way
+    out (--vram: one budget for all). The cards here are NVML readings written as they would be."""
+    from fitfinder import jobconfig, space as spaces, study as studies, worker
+    from fitfinder.errors import UserError
+    from tests.conftest import DEMO
+
+    job = jobconfig.load(DEMO)
+    space = spaces.build(job)
+    url = f"sqlite:///{tmp_path / 'cards.db'}"
+    study = studies.open_study(url, "cards", space, {"budget_bytes": 24 * 2**30, "budget_is_card": True})
+    trial = studies.claim(study, space, space.desired(), "base")
+    trial.set_user_attr("card", "NVIDIA GeForce RTX 4090")
+    trial.set_user_attr("card_total_bytes", 24 * 2**30)
+    worker._refuse_a_different_card(study, {"name": "NVIDIA RTX 4090 D", "total_bytes": 24 * 2**30}, "cards")
+    with pytest.raises(UserError) as caught:
+        worker._refuse_a_different_card(study, {"name": "NVIDIA H100 80GB HBM3", "total_bytes": 80 * 2**30}, "cards")
+    assert "measured on NVIDIA GeForce RTX 4090 (24 GiB)" in str(caught.value) and "give --vram" in str(caught.value)
+
+    explicit = studies.open_study(url.replace("cards.db", "vram.db"), "vram", space,
+                                  {"budget_bytes": 24 * 2**30, "budget_is_card": False})
+    other = studies.claim(explicit, space, space.desired(), "base")
+    other.set_user_attr("card_total_bytes", 24 * 2**30)
+    worker._refuse_a_different_card(explicit, {"name": "H100", "total_bytes": 80 * 2**30}, "vram")  # --vram given
