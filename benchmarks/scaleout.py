@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 
-def search_once(workers: int) -> dict:
+def search_once(workers: int, probe_steps: int) -> dict:
     folder = Path(tempfile.mkdtemp(prefix="fitfinder-scaleout-"))
     try:
         (folder / "configs").mkdir()
@@ -37,7 +37,8 @@ def search_once(workers: int) -> dict:
         env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
         started = time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "fitfinder", "search", "configs/demo.yaml", "--json",
-                               "--workers", str(workers)], cwd=folder, env=env, capture_output=True, text=True)
+                               "--workers", str(workers), "--probe-steps", str(probe_steps)],
+                              cwd=folder, env=env, capture_output=True, text=True)
         seconds = time.perf_counter() - started
         if done.returncode != 0:
             raise RuntimeError(done.stderr[-2000:])
@@ -70,12 +71,14 @@ def _hammer(url: str, count: int, queue) -> None:
             studies.record(study, trial, space, result, outcome, None, "quality")
         except Exception as exc:  # noqa: BLE001 - what we count
             errors += 1
-            print(f"  writer {os.getpid()}: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
+            if os.environ.get("FITFINDER_SQLITE_CLAIM_LOCK") != "0":
+                print(f"  writer {os.getpid()}: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
     queue.put((errors, time.perf_counter() - started))
 
 
-def stress_sqlite(writers: int, per_writer: int) -> dict:
+def stress_sqlite(writers: int, per_writer: int, lock: bool = True) -> dict:
     folder = Path(tempfile.mkdtemp(prefix="fitfinder-sqlite-"))
+    os.environ["FITFINDER_SQLITE_CLAIM_LOCK"] = "1" if lock else "0"  # the spawned writers inherit it
     try:
         url = f"sqlite:///{folder / 'stress.db'}"
         context = multiprocessing.get_context("spawn")
@@ -91,9 +94,10 @@ def stress_sqlite(writers: int, per_writer: int) -> dict:
         for process in processes:
             process.join()
         seconds = time.perf_counter() - started
-        return {"writers": writers, "trials": writers * per_writer, "errors": sum(e for e, _ in results),
-                "seconds": seconds}
+        return {"writers": writers, "lock": lock, "trials": writers * per_writer,
+                "errors": sum(e for e, _ in results), "seconds": seconds}
     finally:
+        os.environ.pop("FITFINDER_SQLITE_CLAIM_LOCK", None)
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -101,27 +105,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeat", type=int, default=1, help="runs per worker count (the best is kept)")
+    parser.add_argument("--probe-steps", type=int, nargs="+", default=[20, 200],
+                        help="probe lengths to compare: the demo's, and probes long enough to outweigh start-up")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
 
     rows = []
-    for workers in args.workers:
-        runs = [search_once(workers) for _ in range(args.repeat)]
-        rows.append(min(runs, key=lambda r: r["seconds"]))
-    base = rows[0]["seconds"]
     print(f"demo search on {os.cpu_count()} CPU cores (sim meter)")
-    print(f"{'workers':>8}{'wall s':>9}{'speed-up':>10}{'probes':>8}  winner")
-    for row in rows:
-        winner = " ".join(f"{k}={v}" for k, v in row["best"].items())
-        print(f"{row['workers']:>8}{row['seconds']:>9.1f}{base / row['seconds']:>9.2f}x{row['probes']:>8}  {winner}")
+    print(f"{'steps':>6}{'workers':>8}{'wall s':>9}{'speed-up':>10}{'probes':>8}  winner")
+    for steps in args.probe_steps:
+        group = []
+        for workers in args.workers:
+            runs = [search_once(workers, steps) for _ in range(args.repeat)]
+            group.append({**min(runs, key=lambda r: r["seconds"]), "probe_steps": steps})
+        for row in group:
+            winner = " ".join(f"{k}={v}" for k, v in row["best"].items())
+            print(f"{steps:>6}{row['workers']:>8}{row['seconds']:>9.1f}{group[0]['seconds'] / row['seconds']:>9.2f}x"
+                  f"{row['probes']:>8}  {winner}")
+        rows += group
     same = all(row["best"] == rows[0]["best"] for row in rows)
-    print(f"same winner for every worker count: {'yes' if same else 'NO'}")
+    print(f"same winner for every run: {'yes' if same else 'NO'}")
 
-    stress = [stress_sqlite(n, 60) for n in (1, 4, 8)]
-    print(f"\nSQLite with heartbeats, writers claiming and recording trials back to back")
-    print(f"{'writers':>8}{'trials':>8}{'errors':>8}{'trials/s':>10}")
+    stress = [stress_sqlite(n, 60, lock) for lock in (False, True) for n in (1, 4, 8)]
+    print("\nSQLite with heartbeats, writers claiming and recording trials back to back")
+    print("(errors: a trial taken by two writers, so the second cannot record it)")
+    print(f"{'claim lock':>11}{'writers':>8}{'trials':>8}{'errors':>8}{'trials/s':>10}")
     for row in stress:
-        print(f"{row['writers']:>8}{row['trials']:>8}{row['errors']:>8}{row['trials'] / row['seconds']:>10.1f}")
+        print(f"{'on' if row['lock'] else 'off':>11}{row['writers']:>8}{row['trials']:>8}{row['errors']:>8}"
+              f"{row['trials'] / row['seconds']:>10.1f}")
     if args.json:
         args.json.write_text(json.dumps({"search": rows, "sqlite": stress}, indent=2) + "\n")
 

@@ -34,7 +34,7 @@ def work(job, space, study, options, limit: int | None, out) -> None:
     _refuse_a_different_card(study, card, options.study_name)
     runner = probe.ProbeRunner(timeout_s=settings.probe_timeout)
     faults = search._faults_from_env()
-    pause = min(studies.heartbeat()[0], 2)
+    pause = 0.5  # while others probe what the plan waits for: short, probes can be too
     with out.progress(settings.trials, "probing"):
         while True:
             studies.fail_stale(study)
