@@ -96,8 +96,7 @@ def _built_random(cls: type, config: dict, dtype: torch.dtype, device: torch.dev
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers real
         module = _construct(cls, config)
     module.to(dtype)
-    for name in _kept_in_fp32(module, dtype):
-        module.get_submodule(name).float()
+    keep_in_fp32(module, dtype)
     pools: dict[torch.dtype, torch.Tensor] = {}
     made: dict[int, torch.nn.Parameter] = {}  # tied parameters stay tied
     for submodule in module.modules():
@@ -130,12 +129,19 @@ def _random_like(param: torch.Tensor, pools: dict, device: torch.device) -> torc
     return data
 
 
-def _kept_in_fp32(module: torch.nn.Module, dtype: torch.dtype) -> list[str]:
-    """Modules from_pretrained keeps in fp32: diffusers always, transformers only under fp16."""
+def keep_in_fp32(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast back to fp32 what from_pretrained keeps in fp32 after a cast to `dtype`: diffusers
+    always, transformers only under fp16. A name in `_keep_in_fp32_modules` is a module (with its
+    buffers) or a parameter (Wan's `scale_shift_table`), wherever it sits in the tree."""
     keep = getattr(module, "_keep_in_fp32_modules", None) or []
     if dtype == torch.float32 or not keep or (not _is_diffusers(type(module)) and dtype != torch.float16):
-        return []
-    return [name for name, _ in module.named_modules() if name and any(k in name.split(".") for k in keep)]
+        return
+    for name, submodule in module.named_modules():
+        if name and any(k in name.split(".") for k in keep):
+            submodule.float()
+    for name, param in module.named_parameters():
+        if any(k in name.split(".") for k in keep):
+            param.data = param.data.float()
 
 
 # -- quantization ---------------------------------------------------------------------------------
@@ -144,10 +150,14 @@ def quantize(module: torch.nn.Module, bits: int, compute_dtype: torch.dtype, qua
 
     Layer by layer, so the transient is one layer: the full-precision weight is freed as soon as
     its quantized twin exists. diffusers' BitsAndBytesConfig refuses to run without a GPU, so the
-    swap is done here; `is_loaded_in_8bit`/`_4bit` tell peft to wrap the quantized layers.
+    swap is done here; `is_loaded_in_8bit`/`_4bit` tell peft to wrap the quantized layers. As that
+    config does, a diffusers model's fp32-kept modules stay as they are (Wan casts its timestep to
+    the dtype of its time embedder's first weight, which must stay a float).
     Returns the number of layers quantized.
     """
-    names = [name for name, child in module.named_modules() if type(child) is torch.nn.Linear]
+    kept = (getattr(module, "_keep_in_fp32_modules", None) or []) if _is_diffusers(type(module)) else []
+    names = [name for name, child in module.named_modules()
+             if type(child) is torch.nn.Linear and not any(k in name.split(".") for k in kept)]
     for name in names:
         parent_name, _, child_name = name.rpartition(".")
         parent = module.get_submodule(parent_name)
