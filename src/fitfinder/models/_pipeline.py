@@ -83,14 +83,23 @@ def _quantization(family, part: str, settings: dict) -> tuple[int | None, str]:
 
 
 def _add_lora(pipe: Pipeline, name: str, settings: dict) -> None:
-    """A fresh peft LoRA on the family's targets, in the training dtype; gradient checkpointing as asked."""
+    """A fresh peft LoRA on the family's targets, in the training dtype; gradient checkpointing as asked.
+
+    peft builds each adapter in host memory and then moves it next to its base layer, in the base
+    layer's dtype when that is a floating one: a card never holds the fp32 copies it starts from,
+    so the device counts the adapter from that move on. The cast to the training dtype happens
+    where the denoiser is.
+    """
     from peft import LoraConfig
 
     denoiser = pipe.parts[name]
     torch.manual_seed(settings.get("seed", 0))
     targets = lora_targets(denoiser, pipe.family.lora_blocks)
-    denoiser.add_adapter(LoraConfig(r=settings["rank"], lora_alpha=settings["alpha"], target_modules=targets,
-                                    init_lora_weights="gaussian"))
+    with pipe.meter.host():
+        denoiser.add_adapter(LoraConfig(r=settings["rank"], lora_alpha=settings["alpha"], target_modules=targets,
+                                        init_lora_weights="gaussian"))
+    if name in pipe.on_device:
+        pipe.meter.register(denoiser)
     for param in denoiser.parameters():
         if param.requires_grad:
             param.data = param.data.to(pipe.dtype)  # AI Toolkit trains the LoRA in train.dtype
