@@ -23,7 +23,8 @@ The recipe, phase by phase, each metered on its own (AI Toolkit's order and devi
                   the VAE decode
     train         `steps` LoRA steps over a bucket schedule with the heaviest bucket and clip at the
                   first, middle and last step (optimizer state and fragmentation present by then)
-    last_sample   the preview at the end of training, unless disable_sampling
+    last_sample   the preview at the end of training, unless disable_sampling, with the optimizer's
+                  state still held
 
 Request (built by `request_for` from a job file with AI Toolkit's defaults): model (see
 models.model_spec), dtype, quantize and quantize_te (None, 8 or 4 bits) with quant_type and
@@ -209,10 +210,13 @@ def _recipe(request: dict, meter, result: dict) -> None:
         with _phase("sample", pipe, request):
             _sample(pipe, request, prompts)
     with _phase("train", pipe, request):
-        _train(pipe, request, prompts, result)
+        optimizer = _train(pipe, request, prompts, result)
     if sample["last"]:
+        # A preview during training: the optimizer's state is still held, as in a run that
+        # samples every N steps.
         with _phase("last_sample", pipe, request):
             _sample(pipe, request, prompts)
+    del optimizer
 
 
 @contextlib.contextmanager
@@ -336,8 +340,9 @@ def _expert(pipe, level: float) -> str:
     return denoisers[0] if level >= pipe.arch.get("boundary_ratio", 0.875) else denoisers[1]
 
 
-def _train(pipe, request: dict, prompts: dict, result: dict) -> None:
-    """LoRA steps over the shape schedule; the optimizer steps every `accumulation` micro-steps."""
+def _train(pipe, request: dict, prompts: dict, result: dict):
+    """LoRA steps over the shape schedule; the optimizer steps every `accumulation` micro-steps.
+    Returns the optimizer, whose state outlives the phase (previews happen during training)."""
     import torch
     import torch.nn.functional as F
 
@@ -378,6 +383,7 @@ def _train(pipe, request: dict, prompts: dict, result: dict) -> None:
         result["steps_run"] = step + 1
     steady = timings[1:] or timings  # the first step pays one-time costs
     result["seconds_per_step"] = round(sum(steady) / len(steady), 5)
+    return optimizer
 
 
 def _training_latents(pipe, request: dict, side: int, frames: int, heaviest: bool):
