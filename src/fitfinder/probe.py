@@ -32,12 +32,16 @@ quant_type_te, low_vram, text_encoder ("keep", "cache" or "unload"), cache_laten
 ([resolution, frames] pairs the datasets train on), batch_size, accumulation,
 gradient_checkpointing, rank, alpha, optimizer, lr, trained (the denoisers that get a LoRA),
 switch_every (two-expert models), sample ({first, last, width, height, frames, steps,
-guidance_scale}), steps, meter, budget_bytes, gpu, seed.
+guidance_scale}), steps, meter, budget_bytes, gpu, seed; optional: prime_optimizer (the
+optimizer's state made before the first step, see `_prime_optimizer`; the estimate runs one
+step), overhead (the estimate meter's GPU overhead model, see overhead.py).
 
 Result: {"status": "ok"|"oom"|"error"|"timeout", "phase": the phase that failed or None,
 "peak_bytes", "phases": {name: peak bytes}, "phase_stats": {name: {peak_allocated,
-peak_reserved, seconds}}, "seconds_per_step", "steps_run", "error", "oom_kind", "meter",
-"outside_bytes" (cuda: memory outside PyTorch's allocator, included in every peak)}.
+peak_reserved, seconds; estimate: peak_live}}, "seconds_per_step", "steps_run", "error",
+"oom_kind", "meter", "outside_bytes" (cuda: memory outside PyTorch's allocator, included in
+every peak; estimate: the modelled CUDA context), "max_rss_bytes" (host memory of the probe
+process at its highest)}.
 """
 
 from __future__ import annotations
@@ -62,11 +66,13 @@ SAMPLE_STEPS = 2
 
 
 # -- the request, built by the parent from a job file (no torch here) ----------------------------
-def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int = 0) -> dict[str, Any]:
-    """Everything a probe needs, read from the job file with AI Toolkit's defaults."""
+def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int = 0,
+                spec: dict | None = None) -> dict[str, Any]:
+    """Everything a probe needs, read from the job file with AI Toolkit's defaults (`spec`: the
+    model, when the caller has it another way, such as an estimate's weightless architecture)."""
     from fitfinder import models
 
-    spec = models.model_spec(job)
+    spec = spec or models.model_spec(job)
     family = models.FAMILIES[spec["family"]]
     quantize_te = job.get("model.quantize_te", None)
     if quantize_te is None:  # AI Toolkit: quantize_te defaults to quantize
@@ -158,7 +164,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     # The imported libraries' objects never become garbage: freezing them makes each phase's
     # collection (so that one phase's garbage does not count in the next) cost ms, not 0.3 s.
     gc.freeze()
-    meter = meters.make(request["meter"], request.get("budget_bytes"), request.get("gpu", 0))
+    meter = meters.make(request["meter"], request.get("budget_bytes"), request.get("gpu", 0), request.get("overhead"))
     result: dict[str, Any] = {"status": "ok", "phase": None, "error": None, "oom_kind": None,
                               "seconds_per_step": None, "steps_run": 0, "meter": meter.describe()}
     failure = None
@@ -180,7 +186,14 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     result["budget_bytes"] = request.get("budget_bytes")
     result["outside_bytes"] = getattr(meter, "outside_bytes", None)
     result["meter"] = meter.describe()
+    result["max_rss_bytes"] = _max_rss_bytes()  # host memory of this process at its highest
     return result
+
+
+def _max_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def _quiet_libraries() -> None:
@@ -350,8 +363,13 @@ def _train(pipe, request: dict, prompts: dict, result: dict):
     recipe, trained = pipe.recipe, request["trained"]
     for name in trained:
         pipe.parts[name].train()
-    optimizer = _optimizer(request["optimizer"], pipe.trainable_parameters(trained), request["lr"])
+    with pipe.meter.concrete():  # bitsandbytes builds its code books from values
+        optimizer = _optimizer(request["optimizer"], pipe.trainable_parameters(trained), request["lr"])
     steps, accumulation = request["steps"], max(1, request["accumulation"])
+    if request.get("prime_optimizer"):
+        # Gradients outlive a step only while the same denoiser keeps training (see the loop).
+        carried = accumulation > 1 and (len(trained) == 1 or request["switch_every"] > 1)
+        _prime_optimizer(pipe, request, optimizer, keep_gradients=carried)
     schedule = shape_schedule(request["shapes"], steps)
     middle = steps // 2
     heaviest_steps = {0, middle, steps - 1}
@@ -384,6 +402,30 @@ def _train(pipe, request: dict, prompts: dict, result: dict):
     steady = timings[1:] or timings  # the first step pays one-time costs
     result["seconds_per_step"] = round(sum(steady) / len(steady), 5)
     return optimizer
+
+
+def _prime_optimizer(pipe, request: dict, optimizer, keep_gradients: bool) -> None:
+    """The state a run has by its later steps, made without training steps (prime_optimizer).
+
+    Each trained denoiser, placed as its training step would place it, gets zero gradients on
+    its LoRA and the optimizer steps, which creates its state exactly as a real step does (same
+    tensors, same transient). With `keep_gradients` (accumulation) the first denoiser keeps
+    gradients, as the next micro-step finds them. A one-step run (the estimate's) then meets its
+    heaviest shape in the state the probe's later steps meet it in.
+    """
+    import torch
+
+    trained = request["trained"]
+    for name in trained:
+        pipe.place(resident("train", request, pipe.family, active=name))
+        for param in pipe.trainable_parameters([name]):
+            param.grad = torch.zeros_like(param)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if keep_gradients:
+        for param in pipe.trainable_parameters(trained[:1]):
+            param.grad = torch.zeros_like(param)
+    pipe.meter.register(optimizer)
 
 
 def _training_latents(pipe, request: dict, side: int, frames: int, heaviest: bool):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from fitfinder.models import FAMILIES
+from fitfinder.models import FAMILIES, _fake
 from fitfinder.models._families import Inputs, for_family
 from fitfinder.models._weights import build_part, lora_targets, quantize
 
@@ -56,14 +56,16 @@ def load(spec: dict, settings: dict, meter) -> Pipeline:
     for part in pipe.family.parts:
         bits, quant_type = _quantization(pipe.family, part, settings)
         with meter.host():
-            module = build_part(spec, part, pipe.dtype, "cpu" if low_vram else meter.device)
+            module = _build(spec, part, pipe.dtype, "cpu" if low_vram else meter.device, meter)
             if bits and low_vram:
-                quantize(module, bits, pipe.dtype, quant_type)
+                with meter.concrete():
+                    quantize(module, bits, pipe.dtype, quant_type)
         pipe.parts[part] = module
         if not low_vram:
             pipe.place(pipe.on_device | {part})
             if bits:
-                quantize(pipe.parts[part], bits, pipe.dtype, quant_type)
+                with meter.concrete():
+                    quantize(pipe.parts[part], bits, pipe.dtype, quant_type)
                 meter.register(pipe.parts[part])  # bitsandbytes keeps row scales outside the dispatch's sight
     for name in settings["trained"]:
         if name in pipe.on_device:
@@ -72,6 +74,13 @@ def load(spec: dict, settings: dict, meter) -> Pipeline:
             with meter.host():
                 _add_lora(pipe, name, settings)
     return pipe
+
+
+def _build(spec: dict, part: str, dtype: torch.dtype, device, meter) -> torch.nn.Module:
+    """The part's weights; under a fake meter (the estimate) its architecture as fake tensors."""
+    if getattr(meter, "fake", False):
+        return _fake.build_part(spec, part, dtype)
+    return build_part(spec, part, dtype, device)
 
 
 def _quantization(family, part: str, settings: dict) -> tuple[int | None, str]:
@@ -95,9 +104,13 @@ def _add_lora(pipe: Pipeline, name: str, settings: dict) -> None:
     denoiser = pipe.parts[name]
     torch.manual_seed(settings.get("seed", 0))
     targets = lora_targets(denoiser, pipe.family.lora_blocks)
+    config = LoraConfig(r=settings["rank"], lora_alpha=settings["alpha"], target_modules=targets,
+                        init_lora_weights="gaussian")
     with pipe.meter.host():
-        denoiser.add_adapter(LoraConfig(r=settings["rank"], lora_alpha=settings["alpha"], target_modules=targets,
-                                        init_lora_weights="gaussian"))
+        if getattr(pipe.meter, "fake", False):
+            _fake.add_adapter(denoiser, config)
+        else:
+            denoiser.add_adapter(config)
     if name in pipe.on_device:
         pipe.meter.register(denoiser)
     for param in denoiser.parameters():

@@ -180,19 +180,36 @@ def _quantized_twin(linear: torch.nn.Linear, bits: int, compute_dtype: torch.dty
         layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=False,
                                     has_fp16_weights=False, device="meta")
         int8, scales, _ = int8_vectorwise_quant(weight.to(torch.float16))
-        layer.weight = bnb.nn.Int8Params(int8, requires_grad=False, has_fp16_weights=False, CB=int8, SCB=scales)
+        layer.weight = _parameter(bnb.nn.Int8Params, int8, has_fp16_weights=False, CB=int8, SCB=scales)
     else:
         layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=False, compute_dtype=compute_dtype,
                                   quant_type=quant_type, device="meta")
         packed, state = quantize_4bit(weight, blocksize=64, quant_type=quant_type, quant_storage=torch.uint8,
                                       compress_statistics=True)
-        layer.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, quant_type=quant_type,
-                                         bnb_quantized=True, module=layer)
+        layer.weight = _parameter(bnb.nn.Params4bit, packed, quant_state=state, blocksize=64, compress_statistics=True,
+                                  quant_type=quant_type, quant_storage=torch.uint8, bnb_quantized=True, module=layer)
         # Keep the GPU's layout on a CPU: bitsandbytes would repack 4-bit weights for its CPU
         # inference kernels (other memory, and only for widths divisible by 64).
         layer.support_avx512bf16_for_cpu = False
     layer.bias = bias
     return layer.train(linear.training)
+
+
+def _parameter(cls: type, data: torch.Tensor, **attributes) -> torch.nn.Parameter:
+    """bitsandbytes' frozen parameter class around `data`.
+
+    No tensor subclass can wrap a fake tensor (the estimate meter's): there the same tensors are
+    held by a plain frozen Parameter that carries bitsandbytes' attributes (CB and SCB, or the
+    quant_state), which is all its layers and peft's wrappers read. The bytes are the same.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if not isinstance(data, FakeTensor):
+        return cls(data, requires_grad=False, **attributes)
+    param = torch.nn.Parameter(data, requires_grad=False)
+    for name, value in attributes.items():
+        setattr(param, name, value)
+    return param
 
 
 # -- LoRA -----------------------------------------------------------------------------------------
