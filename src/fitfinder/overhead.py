@@ -73,12 +73,15 @@ class GpuOverhead:
     def describe(self) -> str:
         from fitfinder.units import format_bytes
 
+        if self.source == "none":
+            return "no GPU overhead: tensor bytes only, as the sim meter counts them"
         return (f"GPU overhead ({self.source}): context {format_bytes(self.context_bytes)}, "
                 f"cuBLAS workspace {format_bytes(self.workspace_bytes)}, fragmentation {self.fragmentation:.1%}")
 
     @classmethod
     def none(cls) -> "GpuOverhead":
-        """No overhead: for comparing with the sim meter, which counts tensor bytes only."""
+        """No device at all: estimates are then the tensor bytes alone, as the sim meter counts
+        them (no allocator rounding either)."""
         return cls(0, 0, 0.0, "none")
 
 
@@ -145,7 +148,7 @@ def for_card(text: str, folder: Path | None = None) -> GpuOverhead:
     if len(matching) == 1:
         return calibrations[matching[0]]
     known = ", ".join(calibrations) or "none yet; run `fitfinder calibrate --gpu N` on that card"
-    what = "matches several" if matching else "matches no"
+    what = "matches more than one" if matching else "matches no"
     raise UserError(f"--card: {text!r} {what} stored calibration (stored: {known})")
 
 
