@@ -66,6 +66,10 @@ def search(
     studies_dir: Path = typer.Option(Path("studies"), "--studies-dir", help="Where SQLite studies live."),
     results_dir: Path = typer.Option(Path("results"), "--results-dir", help="Where results/NAME/ goes."),
     force: bool = typer.Option(False, "--force", help="Search even if the GPU preflight finds the card not clean."),
+    prescreen: Optional[bool] = typer.Option(
+        None, "--prescreen/--no-prescreen",
+        help="Estimate each point first (fake tensors, seconds) and decide without a probe those estimated at "
+             "1.25 x the budget or more [on with --gpu, off with the sim meter]."),
     json_output: bool = JsonOpt,
 ) -> None:
     """Search the best configuration that fits; export it as results/NAME/best.yaml."""
@@ -82,7 +86,7 @@ def search(
         preflight.ensure_clean(gpu_index, job.settings.vram_bytes, out, force=force)
     name = _study_name(study or job.name)
     options = searching.SearchOptions(study_name=name, meter=meter, gpu=gpu_index, storage=storage,
-                                      studies_dir=studies_dir, results_dir=results_dir)
+                                      studies_dir=studies_dir, results_dir=results_dir, prescreen=prescreen)
     summary = searching.run(job, options, out)
     space_ = summary.space
     out.result(summary.as_json())

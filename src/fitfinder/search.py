@@ -332,6 +332,7 @@ class SearchOptions:
     storage: str | None = None
     studies_dir: Any = "studies"
     results_dir: Any = "results"
+    prescreen: bool | None = None  # estimate first, decide points well over the budget (None: with cuda)
 
 
 @dataclass
@@ -388,7 +389,7 @@ def run(job, options: SearchOptions, out) -> SearchSummary:
     """Probe planned points until the best is confirmed or the trial cap is reached; export it."""
     from pathlib import Path
 
-    from fitfinder import probe, space as spaces, study as studies
+    from fitfinder import estimate, probe, space as spaces, study as studies
 
     settings = job.settings
     space = spaces.build(job)
@@ -405,6 +406,7 @@ def run(job, options: SearchOptions, out) -> SearchSummary:
     log_dir = Path(options.results_dir) / options.study_name / "probes"
     log_dir.mkdir(parents=True, exist_ok=True)
     runner = probe.ProbeRunner(timeout_s=settings.probe_timeout)
+    screen = estimate.prescreen_for(options.prescreen, runner, budget, options.meter, options.gpu)
     faults = _faults_from_env()
     recorded = studies.decided_keys(study, space)
 
@@ -415,7 +417,9 @@ def run(job, options: SearchOptions, out) -> SearchSummary:
         if trial.number in faults:
             request["fault"] = faults[trial.number]
         try:
-            outcome = runner.run(request, log_dir / f"trial-{trial.number:04d}.log")
+            outcome = screen.outcome(request, step.purpose) if screen else None  # the estimate decides, or None
+            if outcome is None:
+                outcome = runner.run(request, log_dir / f"trial-{trial.number:04d}.log")
         except KeyboardInterrupt:
             study.tell(trial, state=studies.fail_state(), skip_if_finished=True)
             raise
@@ -459,7 +463,7 @@ def result_from_probe(trial: int, step: Step, outcome: dict[str, Any]) -> Result
                   phase=outcome.get("phase"), error=outcome.get("error"),
                   phases=dict(outcome.get("phases") or {}), confirm=step.purpose == "confirm",
                   extra={"seconds_per_step": per_step, "purpose": step.purpose,
-                         "wall_seconds": outcome.get("wall_seconds")})
+                         "wall_seconds": outcome.get("wall_seconds"), "estimated": bool(outcome.get("estimated"))})
 
 
 def _finish(job, space, study, known, options, settings, url, probes_run, proven, budget, limit, out) -> SearchSummary:
