@@ -182,8 +182,11 @@ def _counting_fake_mode(tracker: AllocatorTracker):
             finally:
                 self.depth -= 1
             if self.depth == 0 and not tracker.paused:
-                for tensor in tensors_returned(out):
-                    tracker.add(tensor)
+                if isinstance(out, torch.Tensor):  # most ops: no generator for those
+                    tracker.add(out)
+                else:
+                    for tensor in tensors_returned(out):
+                        tracker.add(tensor)
             return out
 
     return _CountingFakeMode()

@@ -40,28 +40,28 @@ def build_part(spec: dict, part: str, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def add_adapter(denoiser: torch.nn.Module, lora_config) -> None:
-    """peft's LoRA as `add_adapter` leaves it: added on meta, materialized, then cast as peft casts it.
+    """peft's LoRA as `add_adapter` leaves it: added on meta, cast as peft casts it, materialized.
 
     peft moves a new adapter next to its base layer (`Module.to`, which a fake parameter refuses)
     but leaves meta adapters alone; the cast it would have made, to the base layer's dtype when
     that is a floating one (peft's own `_get_base_layer_device_and_dtype` says which), is made
-    here with `.data`, which fake tensors allow.
+    here on meta, before the adapter becomes fake.
     """
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     with plain_meta():
         denoiser.add_adapter(lora_config)
+        for layer in denoiser.modules():
+            if not isinstance(layer, BaseTunerLayer):
+                continue
+            _, dtype = layer._get_base_layer_device_and_dtype(layer.get_base_layer())
+            if dtype is None or not dtype.is_floating_point:
+                continue
+            for name in layer.adapter_layer_names:
+                for param in getattr(layer, name).parameters():
+                    if param.device.type == "meta" and param.dtype.is_floating_point:
+                        param.data = param.data.to(dtype)
     materialize(denoiser)
-    for layer in denoiser.modules():
-        if not isinstance(layer, BaseTunerLayer):
-            continue
-        _, dtype = layer._get_base_layer_device_and_dtype(layer.get_base_layer())
-        if dtype is None or not dtype.is_floating_point:
-            continue
-        for name in layer.adapter_layer_names:
-            for param in getattr(layer, name).parameters():
-                if param.dtype.is_floating_point:
-                    param.data = param.data.to(dtype)
 
 
 def materialize(module: torch.nn.Module) -> None:
