@@ -114,14 +114,14 @@ def _sim_and_estimate(runner, family: str, changes: dict) -> tuple[dict, dict]:
 
 
 def print_accuracy(rows: list[dict]) -> None:
-    print(f"{'#':>2}  {'family':6}  {'phase':12}  {'sim':>11}  {'estimate':>11}  {'error':>8}  changes")
+    print(f"{'#':>2}  {'family':6}  {'phase':12}  {'sim':>11}  {'estimate':>11}  {'error':>9}  changes")
     for row in rows:
         changes = ", ".join(f"{k}={v}" for k, v in row["changes"].items()) or "(the tiny job as written)"
         print(f"{row['config']:>2}  {row['family']:6}  {row['phase']:12}  {row['sim_bytes']:>11,}  "
-              f"{row['estimate_bytes']:>11,}  {row['error']:>+8.3%}  {changes}")
+              f"{row['estimate_bytes']:>11,}  {row['error']:>+9.4%}  {changes}")
     worst = max(rows, key=lambda r: abs(r["error"]))
     configs = len({r["config"] for r in rows})
-    print(f"\n{configs} configurations, {len(rows)} phase peaks; largest error {worst['error']:+.3%} "
+    print(f"\n{configs} configurations, {len(rows)} phase peaks; largest error {worst['error']:+.4%} "
           f"(config {worst['config']}, {worst['family']}, {worst['phase']}); limit {MAX_ERROR:.0%}")
 
 
@@ -159,7 +159,8 @@ def print_full_size(rows: list[dict]) -> None:
     for row in rows:
         verdict = "fits" if row["fits"] else f"does not fit (runs out in {row['phase']})"
         print(f"\n{row['case']}: peak {format_bytes(row['peak_bytes'])} -> {verdict} in 24 GiB; "
-              f"{row['seconds']:.1f} s wall, max RSS {format_bytes(row['max_rss_bytes'])}")
+              f"{row['seconds']:.1f} s wall ({row['cpu_seconds']:.1f} s CPU), "
+              f"max RSS {format_bytes(row['max_rss_bytes'])}")
         for phase, stats in row["phase_stats"].items():
             print(f"  {phase:12}  tensors {format_bytes(stats['peak_live']):>9}  "
                   f"peak {format_bytes(stats['peak_reserved']):>9}  {stats['seconds']:6.1f} s")

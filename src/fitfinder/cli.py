@@ -204,8 +204,9 @@ def _print_estimate(out, job, found) -> None:
              format_bytes(found.phases[name]), f"{found.phases[name] / budget:.0%}" if budget else ""]
             for name, stats in found.phase_stats.items()]
     out.table(["phase", "tensors", "allocated", "peak", "of the budget"], rows)
-    out.line(f"({found.seconds:.1f} s, {format_bytes(found.max_rss_bytes)} of host memory)"
-             if found.seconds and found.max_rss_bytes else "")
+    if found.seconds is not None and found.max_rss_bytes:
+        out.line(f"({found.seconds:.1f} s, {found.cpu_seconds or 0:.1f} s of CPU, "
+                 f"{format_bytes(found.max_rss_bytes)} of host memory)")
     if budget is None:
         out.line(f"peak {format_bytes(found.peak_bytes)}; give --vram to judge it against a card")
     elif found.fits:

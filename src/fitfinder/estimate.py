@@ -63,6 +63,7 @@ class Estimate:
     margin: float
     overhead: GpuOverhead
     seconds: float | None = None  # the estimating process, start to result
+    cpu_seconds: float | None = None  # its CPU time (on a busy machine, less than `seconds`)
     max_rss_bytes: int | None = None  # its host memory at the highest
 
     @property
@@ -99,7 +100,8 @@ class Estimate:
             "headroom_bytes": self.budget_bytes - self.peak_bytes if self.budget_bytes else None,
             "phase": self.first_phase_over(self.budget_bytes) if self.budget_bytes else None,
             "phases": self.phases, "phase_stats": self.phase_stats, "arch": self.arch_name,
-            "overhead": self.overhead.as_dict(), "seconds": self.seconds, "max_rss_bytes": self.max_rss_bytes,
+            "overhead": self.overhead.as_dict(), "seconds": self.seconds, "cpu_seconds": self.cpu_seconds,
+            "max_rss_bytes": self.max_rss_bytes,
         }
 
 
@@ -112,7 +114,8 @@ def run(job, runner, overhead: GpuOverhead) -> Estimate:
                         f"{(result.get('error') or 'no result').splitlines()[0][:300]}")
     return Estimate(arch_name=request["model"]["arch_name"], phase_stats=result["phase_stats"],
                     budget_bytes=job.settings.vram_bytes, margin=job.settings.margin, overhead=overhead,
-                    seconds=result.get("wall_seconds"), max_rss_bytes=result.get("max_rss_bytes"))
+                    seconds=result.get("wall_seconds"), cpu_seconds=result.get("cpu_seconds"),
+                    max_rss_bytes=result.get("max_rss_bytes"))
 
 
 # -- the pre-screen of `fitfinder search` ---------------------------------------------------------

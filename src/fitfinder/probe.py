@@ -40,8 +40,8 @@ Result: {"status": "ok"|"oom"|"error"|"timeout", "phase": the phase that failed 
 "peak_bytes", "phases": {name: peak bytes}, "phase_stats": {name: {peak_allocated,
 peak_reserved, seconds; estimate: peak_live}}, "seconds_per_step", "steps_run", "error",
 "oom_kind", "meter", "outside_bytes" (cuda: memory outside PyTorch's allocator, included in
-every peak; estimate: the modelled CUDA context), "max_rss_bytes" (host memory of the probe
-process at its highest)}.
+every peak; estimate: the modelled CUDA context), "max_rss_bytes" and "cpu_seconds" (host
+memory of the probe process at its highest, and its CPU time)}.
 """
 
 from __future__ import annotations
@@ -186,14 +186,18 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     result["budget_bytes"] = request.get("budget_bytes")
     result["outside_bytes"] = getattr(meter, "outside_bytes", None)
     result["meter"] = meter.describe()
-    result["max_rss_bytes"] = _max_rss_bytes()  # host memory of this process at its highest
+    result.update(_host_usage())
     return result
 
 
-def _max_rss_bytes() -> int:
+def _host_usage() -> dict[str, Any]:
+    """This process's host memory at its highest and the CPU time it used (a forked child's
+    count starts at its fork)."""
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {"max_rss_bytes": usage.ru_maxrss * 1024,  # Linux reports KiB
+            "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 3)}
 
 
 def _quiet_libraries() -> None:
