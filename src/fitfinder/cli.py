@@ -229,9 +229,7 @@ def _estimate_search(job, runner, model, out) -> None:
         raise UserError("--search needs a memory budget: give --vram (e.g. --vram 24GiB) or `fitfinder: {vram: 24GiB}`")
 
     def on_estimate(space, result, budget) -> None:
-        if result.status != "ok":
-            verdict = f"failed: {(result.error or '').splitlines()[0][:200]}"
-        elif result.verdict == "fit":
+        if result.verdict == "fit":
             verdict = "fits"
         elif result.peak_bytes <= budget:
             verdict = "over the margin"

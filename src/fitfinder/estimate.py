@@ -202,7 +202,8 @@ def search(job, runner, overhead: GpuOverhead, on_estimate=None) -> EstimateSear
 
     Nothing is written to studies/: a study holds measurements, and a later real search resuming
     it must not take predictions for them. An estimate is deterministic, so the planner's
-    confirmation of the winner repeats it from memory. Speed is not estimated: among the points
+    confirmation of the winner repeats it from memory, and one that fails stops the search with
+    its error (the next point would fail the same way). Speed is not estimated: among the points
     of the best quality, every speed setting predicted to fit is reported.
     """
     from fitfinder import search as searching
@@ -212,17 +213,13 @@ def search(job, runner, overhead: GpuOverhead, on_estimate=None) -> EstimateSear
     budget = job.settings.vram_bytes
     limit = int(budget * (1 - job.settings.margin))
     known = searching.Knowledge(space, limit)
-    done: dict[tuple, Estimate | str] = {}
+    done: dict[tuple, Estimate] = {}
 
     def estimate_step(step) -> None:
         key = space.key(step.point)
         if key not in done:
-            try:
-                done[key] = run(space.apply(job, step.point), runner, overhead)
-            except RunFailed as exc:
-                done[key] = str(exc)
-        found = done[key]
-        result = _as_result(len(known.results), step, found)
+            done[key] = run(space.apply(job, step.point), runner, overhead)
+        result = _as_result(len(known.results), step, done[key])
         known.add(result)
         if on_estimate is not None:
             on_estimate(space, result, budget)
@@ -233,17 +230,14 @@ def search(job, runner, overhead: GpuOverhead, on_estimate=None) -> EstimateSear
                           budget_bytes=budget, limit_bytes=limit, alternatives=alternatives)
 
 
-def _as_result(trial: int, step, found):
+def _as_result(trial: int, step, found: Estimate):
     """An estimate as the planner's Result: every phase's peak, judged against the limit as a
     probe that ran would be (a phase over the limit rules out what is heavier on its knobs)."""
     from fitfinder.search import Result
 
-    confirm = step.purpose == "confirm"
-    if isinstance(found, str):
-        return Result(trial=trial, point=step.point, status="error", error=found, confirm=confirm,
-                      extra={"purpose": step.purpose, "estimated": True})
     return Result(trial=trial, point=step.point, status="ok", peak_bytes=found.peak_bytes, phases=found.phases,
-                  confirm=confirm, extra={"purpose": step.purpose, "estimated": True, "seconds": found.seconds})
+                  confirm=step.purpose == "confirm",
+                  extra={"purpose": step.purpose, "estimated": True, "seconds": found.seconds})
 
 
 def _fastest_candidates(space, known, best):

@@ -4,12 +4,12 @@ Under FakeTensorMode every tensor has its shape, dtype, strides and storage size
 holds data, so the probe's own recipe runs a 12-billion-parameter model on a laptop and the
 storage tracker counts the bytes a GPU would hold. What differs from the real build (`_weights`):
 
-- A part is constructed on `meta` from its architecture config, with the modules
-  `from_pretrained` keeps in fp32, and then every parameter and buffer is replaced by a fake
-  tensor of the same shape and dtype ("materialized"). A fake parameter cannot be moved or cast
-  afterwards (`nn.Module.to` swaps tensors, which fake ones refuse), so everything that changes
-  a parameter's dtype happens on meta first.
-- The LoRA is added on meta the same way, then materialized in the dtype peft gives it.
+- A part is constructed on `meta` from its architecture config, with what `from_pretrained`
+  keeps in fp32, and then every parameter and buffer is replaced by a fake tensor of the same
+  shape and dtype ("materialized"). `nn.Module.to` cannot move a module of fake parameters (it
+  swaps tensors, which fake ones refuse), so whole-module casts happen on meta first; a single
+  parameter's `.data` can still be cast, as the probe casts the LoRA to the training dtype.
+- The LoRA is added on meta the same way, cast as peft casts it, then materialized.
 - No weights are read: a pretrained job's folder only lends its config files.
 
 Code that needs real values (bitsandbytes builds its quantization code books with `.tolist()`)
@@ -92,8 +92,3 @@ def plain_meta():
     with _disable_current_modes(), torch.device("meta"):
         yield
 
-
-def is_fake(tensor: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(tensor, FakeTensor)
