@@ -69,6 +69,10 @@ def search(
     workers: int = typer.Option(1, "--workers", help="Worker processes on the CPU (sim meter); with --gpu: one per GPU."),
     worker: bool = typer.Option(False, "--worker", hidden=True, help="Run as one worker of a launched search."),
     card: Optional[int] = typer.Option(None, "--card", hidden=True, help="A worker's physical GPU index (NVML)."),
+    prescreen: Optional[bool] = typer.Option(
+        None, "--prescreen/--no-prescreen",
+        help="Estimate each point first (fake tensors, seconds) and decide without a probe those estimated at "
+             "1.25 x the budget or more [on with --gpu, off with the sim meter]."),
     json_output: bool = JsonOpt,
 ) -> None:
     """Search the best configuration that fits; export it as results/NAME/best.yaml."""
@@ -94,7 +98,8 @@ def search(
     options = searching.SearchOptions(study_name=name, meter=meter, gpu=gpus[0], storage=storage,
                                       studies_dir=studies_dir, results_dir=results_dir, workers=workers,
                                       gpus=tuple(gpus) if meter == "cuda" and len(gpus) > 1 else (),
-                                      worker=worker, card=card, budget_is_card=meter == "cuda" and not budget_given)
+                                      worker=worker, card=card, budget_is_card=meter == "cuda" and not budget_given,
+                                      prescreen=prescreen)
     summary = searching.run(job, options, out)
     if summary is None:  # a worker: the search that launched it reports
         return
@@ -160,6 +165,138 @@ def probe(
         out.line(result["error"])
     if result["status"] in ("error", "timeout"):
         raise typer.Exit(1)
+
+
+@app.command()
+@_friendly
+def estimate(
+    job_file: Path = JobArg,
+    vram: Optional[str] = VramOpt,
+    margin: Optional[float] = typer.Option(None, "--margin", help="Safety margin, share of the budget [0.05]."),
+    card: Optional[str] = typer.Option(None, "--card", help="Use the GPU overhead `fitfinder calibrate` measured "
+                                                            "on this card (its name or part of it) [defaults]."),
+    no_overhead: bool = typer.Option(False, "--no-overhead", help="Tensor bytes only, as the sim meter counts them "
+                                                                  "(no CUDA context, workspace, rounding)."),
+    search_points: bool = typer.Option(False, "--search", help="Run the search's planner on estimates and print "
+                                                               "the highest-quality point predicted to fit."),
+    trials: Optional[int] = typer.Option(None, "--trials", help="With --search: stop after this many estimates [40]."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", help="Seconds before an estimate is killed [600]."),
+    json_output: bool = JsonOpt,
+) -> None:
+    """Predict the peak memory of each phase on the CPU: no GPU, no weights, seconds.
+
+    The probe's phases run on fake tensors of the full-size architecture. Exit code 0 when the
+    job fits in --vram (or no budget is given), 1 when it does not (with --search: when nothing
+    does), 2 for bad input. With --json, stdout is one object: fits, peak_bytes, budget_bytes,
+    limit_bytes, phases (name -> predicted peak bytes), phase_stats, overhead.
+    """
+    from fitfinder import estimate as estimating
+    from fitfinder import overhead, probe as probing
+    from fitfinder.output import Output
+
+    out = Output(json_output)
+    job = _load(job_file, vram=vram, margin=margin, trials=trials, timeout=timeout)
+    if card is not None and no_overhead:
+        raise UserError("--card and --no-overhead contradict each other: give one of them")
+    model = overhead.GpuOverhead.none() if no_overhead else (
+        overhead.for_card(card) if card is not None else overhead.GpuOverhead())
+    runner = probing.ProbeRunner(job.settings.probe_timeout)
+    if search_points:
+        _estimate_search(job, runner, model, out)
+        return
+    found = estimating.run(job, runner, model)
+    out.result(found.as_json())
+    _print_estimate(out, job, found)
+    if found.fits is False:
+        raise typer.Exit(1)
+
+
+def _print_estimate(out, job, found) -> None:
+    from fitfinder.units import format_bytes
+
+    out.line(f"estimate of {job.source} ({found.arch_name}), {found.overhead.describe()}")
+    budget = found.budget_bytes
+    rows = [[name, format_bytes(stats["peak_live"]), format_bytes(stats["peak_allocated"]),
+             format_bytes(found.phases[name]), f"{found.phases[name] / budget:.0%}" if budget else ""]
+            for name, stats in found.phase_stats.items()]
+    out.table(["phase", "tensors", "allocated", "peak", "of the budget"], rows)
+    if found.seconds is not None and found.max_rss_bytes:
+        out.line(f"({found.seconds:.1f} s, {found.cpu_seconds or 0:.1f} s of CPU, "
+                 f"{format_bytes(found.max_rss_bytes)} of host memory)")
+    if budget is None:
+        out.line(f"peak {format_bytes(found.peak_bytes)}; give --vram to judge it against a card")
+    elif found.fits:
+        margin = "within" if found.fits_with_margin else "past"
+        out.line(f"fits: peak {format_bytes(found.peak_bytes)} of {format_bytes(found.budget_bytes)}, "
+                 f"{format_bytes(found.budget_bytes - found.peak_bytes)} to spare ({margin} the "
+                 f"{job.settings.margin:.0%} safety margin, limit {format_bytes(found.limit_bytes)})")
+    else:
+        phase = found.first_phase_over(found.budget_bytes)
+        out.line(f"does not fit: peak {format_bytes(found.peak_bytes)} of {format_bytes(found.budget_bytes)}, "
+                 f"{format_bytes(found.peak_bytes - found.budget_bytes)} over; it would run out in {phase}")
+
+
+def _estimate_search(job, runner, model, out) -> None:
+    from fitfinder import estimate as estimating
+    from fitfinder.output import usage_bar
+    from fitfinder.units import format_bytes
+
+    if job.settings.vram_bytes is None:
+        raise UserError("--search needs a memory budget: give --vram (e.g. --vram 24GiB) or `fitfinder: {vram: 24GiB}`")
+
+    def on_estimate(space, result, budget) -> None:
+        if result.verdict == "fit":
+            verdict = "fits"
+        elif result.peak_bytes <= budget:
+            verdict = "over the margin"
+        else:
+            verdict = "over the budget in " + next(p for p, peak in result.phases.items() if peak > budget)
+        stage = result.extra.get("purpose") or ""
+        out.line(f"estimate {result.trial:3d}  {stage:<9} {space.describe(result.point)}  {verdict}  "
+                 f"{usage_bar(result.peak_bytes, budget)}")
+
+    out.note(f"estimating the search of {job.source}: {model.describe()}; budget {format_bytes(job.settings.vram_bytes)}")
+    found = estimating.search(job, runner, model, on_estimate)
+    out.result(found.as_json())
+    space = found.space
+    if found.best is None:
+        raise RunFailed(f"nothing is predicted to fit in {format_bytes(found.budget_bytes)} "
+                        f"({found.estimates_run} estimates)")
+    rows = [[row["knob"], space.by_name[row["knob"]].label(row["desired"]),
+             space.by_name[row["knob"]].label(row["chosen"]), row["verdict"]]
+            for row in found.as_json()["explanation"]]
+    out.table(["knob", "desired", "predicted best", ""], rows)
+    out.line(f"best predicted: {space.describe(found.best.point)}  peak {format_bytes(found.best.peak_bytes)} of "
+             f"{format_bytes(found.budget_bytes)}  ({found.estimates_run} estimates"
+             f"{'' if found.proven else ', not proven: estimate cap reached'})")
+    for other in found.alternatives:
+        out.line(f"  as good, also predicted to fit: {space.describe(other.point)}  peak {format_bytes(other.peak_bytes)}")
+    if found.alternatives:
+        out.line("  (speed is not estimated: which of these is fastest, a probe on the card tells)")
+
+
+@app.command()
+@_friendly
+def calibrate(
+    gpu: str = typer.Option(..., "--gpu", help="Measure this CUDA device (index).", show_default=False),
+    json_output: bool = JsonOpt,
+) -> None:
+    """Measure a card's overhead for estimates (CUDA context, cuBLAS workspace, fragmentation) and store it."""
+    from fitfinder import overhead
+    from fitfinder.output import Output
+    from fitfinder.units import format_bytes
+
+    out = Output(json_output)
+    if not re.fullmatch(r"\d+", gpu.strip()):
+        raise UserError(f"--gpu: expected a device index such as 0, got {gpu!r}")
+    if cuda_device_count() <= int(gpu):
+        raise UserError(f"--gpu: no CUDA device {gpu} here; calibrate on the machine that has the card")
+    model, path, measured = overhead.calibrate(int(gpu))
+    out.result({"gpu_name": measured["gpu_name"], "overhead": model.as_dict(), "file": str(path), "measured": measured})
+    out.line(f"{measured['gpu_name']}: context {format_bytes(model.context_bytes)}, cuBLAS workspace "
+             f"{format_bytes(model.workspace_bytes)}, fragmentation {model.fragmentation:.1%}")
+    out.line(f"stored in {path}; use it with `fitfinder estimate JOB --card \"{measured['gpu_name']}\"` "
+             "(searches on this card use it for their pre-screen)")
 
 
 @app.command()

@@ -11,9 +11,17 @@ Both meters have the same small surface, so the probe reads the same on either:
         meter.register(module)       # tensors made outside the meter's sight (safetensors loads)
     meter.phases                     # name -> {"peak_allocated", "peak_reserved", "seconds"}
 
+        with meter.concrete():       # code that reads tensor values (code books) sees real ones
+            optimizer = make_optimizer()
+
 The sim meter counts the bytes of every live tensor storage through a TorchDispatchMode and
 raises `torch.OutOfMemoryError` when they pass the budget, so a CPU behaves like a small GPU:
 the probe fails at the same place, with the same exception, as it would on the card.
+
+The estimate meter runs the same tracker under FakeTensorMode on the full-size architecture:
+no tensor holds data, so a 12-billion-parameter job runs in seconds in well under a GiB, and
+each storage is also counted as the CUDA caching allocator hands it out; a GPU overhead model
+(`overhead.py`) turns that into what the card would show.
 """
 
 from __future__ import annotations
@@ -50,7 +58,8 @@ class StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if not self.paused:
-            tree_map_only(torch.Tensor, self.add, out)
+            for tensor in tensors_returned(out):
+                self.add(tensor)
         return out
 
     def add(self, tensor: torch.Tensor) -> None:
@@ -65,8 +74,7 @@ class StorageTracker(TorchDispatchMode):
         if old is None:
             weakref.finalize(storage, self._forget, key)
         self.live[key] = size
-        self.live_bytes += size - (old or 0)
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._grown(key, size, old or 0)
         if self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
             needed = size - (old or 0)
             self.drop(tensor)  # the allocation "failed": it must not stay counted
@@ -75,6 +83,10 @@ class StorageTracker(TorchDispatchMode):
                 f"Simulated GPU budget {format_bytes(self.budget_bytes)}, of which "
                 f"{format_bytes(self.live_bytes)} is in use by live tensors."
             )
+
+    def _grown(self, key: int, size: int, old: int) -> None:
+        self.live_bytes += size - old
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def drop(self, tensor: torch.Tensor) -> None:
         """Stop counting a tensor's storage (it left the simulated device)."""
@@ -86,6 +98,98 @@ class StorageTracker(TorchDispatchMode):
 
     def _forget(self, key: int) -> None:
         self.live_bytes -= self.live.pop(key, 0)
+
+
+def tensors_returned(out: Any) -> Iterator[torch.Tensor]:
+    """The tensors an op returned. Most ops return one tensor or a flat tuple of them: those skip
+    the pytree walk, a good share of the per-op cost under FakeTensorMode."""
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) or o is None for o in out):
+        yield from (o for o in out if o is not None)
+    else:
+        found: list[torch.Tensor] = []
+        tree_map_only(torch.Tensor, found.append, out)
+        yield from found
+
+
+# The CUDA caching allocator hands out blocks in multiples of 512 bytes (kMinBlockSize in
+# c10/cuda/CUDACachingAllocator.cpp, round_size), and nothing for an empty tensor.
+CUDA_BLOCK_BYTES = 512
+
+
+def allocator_bytes(nbytes: int) -> int:
+    """What the CUDA caching allocator gives a storage of `nbytes`: rounded up to its 512-byte blocks."""
+    return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+
+
+class AllocatorTracker(StorageTracker):
+    """The estimate's tracker: every storage counted exactly (as the sim meter counts it) and as
+    the CUDA caching allocator would hold it (`allocator_bytes`), each with its live total and
+    peak. Never raises: an estimate wants every phase's peak, over the budget or not.
+
+    The estimate's fake mode (`_counting_fake_mode`) hands it each op's outputs; it is entered
+    as a dispatch mode of its own only where real tensors are made (`EstimateMeter.concrete`).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(budget_bytes=None)
+        self.blocks: dict[int, int] = {}  # storage id -> allocator bytes
+        self.allocated_bytes = 0
+        self.peak_allocated_bytes = 0
+
+    def _grown(self, key: int, size: int, old: int) -> None:
+        super()._grown(key, size, old)
+        blocks = allocator_bytes(size)
+        self.allocated_bytes += blocks - self.blocks.get(key, 0)
+        self.blocks[key] = blocks
+        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+
+    def _forget(self, key: int) -> None:
+        super()._forget(key)
+        self.allocated_bytes -= self.blocks.pop(key, 0)
+
+
+def _counting_fake_mode(tracker: AllocatorTracker):
+    """A FakeTensorMode that hands the outputs of every op to `tracker` (unless paused).
+
+    One Python mode per op instead of two (a tracker mode above the fake mode): about a third
+    faster, since every op, down to the device queries autograd makes, passes through each.
+    Only the outermost op counts: FakeTensorMode runs some ops as decompositions into others,
+    whose intermediates a GPU kernel never allocates and a tracker above it never sees.
+    Non-fake inputs are allowed: small constants made from Python values (code books, noise
+    schedules) mix with the fake weights, as they would with real ones.
+    """
+    from torch._subclasses import fake_tensor
+
+    # Queries (device, sizes, strides) answered straight from the fake tensor, as FakeTensorMode's
+    # dispatch answers them first: autograd and the linear kernels ask for devices 100,000 times
+    # a training step, each a trip through Python.
+    queries = getattr(fake_tensor, "_DISPATCH_META_HANDLERS", {})
+
+    class _CountingFakeMode(fake_tensor.FakeTensorMode):
+        def __init__(self) -> None:
+            super().__init__(allow_non_fake_inputs=True)
+            self.depth = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            query = queries.get(func)
+            if query is not None:
+                return query(args)
+            self.depth += 1
+            try:
+                out = self.dispatch(func, types, args, kwargs or {})
+            finally:
+                self.depth -= 1
+            if self.depth == 0 and not tracker.paused:
+                if isinstance(out, torch.Tensor):  # most ops: no generator for those
+                    tracker.add(out)
+                else:
+                    for tensor in tensors_returned(out):
+                        tracker.add(tensor)
+            return out
+
+    return _CountingFakeMode()
 
 
 def tensors_of(*objects: Any) -> Iterator[torch.Tensor]:
@@ -140,11 +244,13 @@ class _PhaseClock:
         self.phases: dict[str, dict[str, float]] = {}
         self.current_phase: str | None = None
 
-    def _record(self, name: str, allocated: int, reserved: int, seconds: float) -> None:
+    def _record(self, name: str, allocated: int, reserved: int, seconds: float, **more: int) -> None:
         entry = self.phases.setdefault(name, {"peak_allocated": 0, "peak_reserved": 0, "seconds": 0.0})
         entry["peak_allocated"] = max(entry["peak_allocated"], int(allocated))
         entry["peak_reserved"] = max(entry["peak_reserved"], int(reserved))
         entry["seconds"] = round(entry["seconds"] + seconds, 4)
+        for key, value in more.items():
+            entry[key] = max(entry.get(key, 0), int(value))
 
     @property
     def peak_bytes(self) -> int:
@@ -196,6 +302,9 @@ class SimMeter(_PhaseClock):
         finally:
             self.tracker.paused -= 1
 
+    def concrete(self):
+        return nullcontext()  # every tensor here is real
+
     def register(self, *objects: Any) -> None:
         for tensor in tensors_of(*objects):
             self.tracker.add(tensor)
@@ -220,6 +329,64 @@ class SimMeter(_PhaseClock):
 
     def describe(self) -> str:
         return f"sim meter, budget {format_bytes(self.budget_bytes)}" if self.budget_bytes else "sim meter, no budget"
+
+
+class EstimateMeter(SimMeter):
+    """No memory at all: the sim meter's bookkeeping on fake tensors, as a GPU would hold them.
+
+    Parts are built as fake tensors (models._fake); every phase of the recipe runs as written.
+    Per phase: `peak_live`, the storage bytes the sim meter would count; `peak_allocated`, the
+    same storages rounded as the CUDA caching allocator rounds them, plus the cuBLAS workspace;
+    `peak_reserved`, that plus the allocator's fragmentation -- each plus the CUDA context, as the
+    cuda meter reports them (`overhead.GpuOverhead`). It never raises out of memory: the budget is
+    judged afterwards, on every phase's peak.
+    """
+
+    kind = "estimate"
+    fake = True
+
+    def __init__(self, budget_bytes: int | None, overhead=None):
+        from fitfinder.overhead import GpuOverhead
+
+        _PhaseClock.__init__(self)
+        self.budget_bytes = budget_bytes
+        self.overhead = GpuOverhead.from_dict(overhead)
+        self.tracker = AllocatorTracker()
+        self.outside_bytes = self.overhead.context_bytes
+
+    def __enter__(self) -> "EstimateMeter":
+        self.fake_mode = _counting_fake_mode(self.tracker)
+        self.fake_mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.fake_mode.__exit__(*exc)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self.current_phase = name
+        gc.collect()
+        tracker = self.tracker
+        tracker.peak_bytes, tracker.peak_allocated_bytes = tracker.live_bytes, tracker.allocated_bytes
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            allocated, reserved = self.overhead.device_peaks(tracker.peak_allocated_bytes)
+            self._record(name, allocated, reserved, time.perf_counter() - start, peak_live=tracker.peak_bytes)
+
+    @contextmanager
+    def concrete(self) -> Iterator[None]:
+        """Factories make real tensors (the fake mode steps aside); ops on fake tensors stay fake.
+        For code that reads values, such as bitsandbytes building its code books with .tolist().
+        The tracker, entered as a dispatch mode meanwhile, counts the real tensors too."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily(), self.tracker:
+            yield
+
+    def describe(self) -> str:
+        return f"estimate meter (fake tensors), {self.overhead.describe()}"
 
 
 class CudaMeter(_PhaseClock):
@@ -284,6 +451,9 @@ class CudaMeter(_PhaseClock):
     def host(self):
         return nullcontext()  # torch makes tensors in host memory unless told otherwise
 
+    def concrete(self):
+        return nullcontext()
+
     def register(self, *objects: Any) -> None:
         return None
 
@@ -327,15 +497,17 @@ def _flush(device: torch.device) -> None:
     torch.cuda.empty_cache()
 
 
-def make(kind: str, budget_bytes: int | None, gpu: int = 0):
-    """The meter a probe request names."""
+def make(kind: str, budget_bytes: int | None, gpu: int = 0, overhead: dict | None = None):
+    """The meter a probe request names (`overhead`: the estimate's GPU overhead model)."""
+    if kind == "estimate":
+        return EstimateMeter(budget_bytes, overhead)
     if kind == "cuda":
         # Must be set before the allocator's first use; the runner sets it for its children too.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
         return CudaMeter(budget_bytes, gpu)
     if kind == "sim":
         return SimMeter(budget_bytes)
-    raise ValueError(f"unknown meter {kind!r}; known: sim, cuda")
+    raise ValueError(f"unknown meter {kind!r}; known: sim, cuda, estimate")
 
 
 # Expandable segments: less fragmentation, as recent AI Toolkit versions recommend; a user's own

@@ -34,6 +34,7 @@ class TrialRow:
     seconds_per_step: float | None
     error: str | None
     purpose: str = ""  # the plan's stage: base, rollback, quality, speed, confirm
+    estimated: bool = False  # decided by the search's pre-screen, not probed
 
     @classmethod
     def of(cls, space, result, budget_bytes: int | None, purpose: str = "") -> "TrialRow":
@@ -43,12 +44,13 @@ class TrialRow:
         return cls(number=result.trial, knobs={k.short: k.label(result.point[k.name]) for k in space.knobs},
                    status=status, phase=result.phase if result.status != "ok" else None,
                    peak_bytes=result.peak_bytes, budget_bytes=budget_bytes,
-                   seconds_per_step=result.extra.get("seconds_per_step"), error=result.error, purpose=purpose)
+                   seconds_per_step=result.extra.get("seconds_per_step"), error=result.error, purpose=purpose,
+                   estimated=bool(result.extra.get("estimated")))
 
     def plain(self) -> str:
         """`trial   3  buckets=[256,384,512] rank=16 ...  ok  5.31 MiB / 5.8 MiB [#########-] 92%  0.078 s/step`"""
         knobs = " ".join(f"{name}={label}" for name, label in self.knobs.items())
-        where = f" in {self.phase}" if self.phase else ""
+        where = (f" in {self.phase}" if self.phase else "") + (" (estimated, not probed)" if self.estimated else "")
         speed = f"{self.seconds_per_step:.3f} s/step" if self.seconds_per_step else ""
         stage = f"{self.purpose:<9} " if self.purpose else ""
         text = (f"trial {self.number:3d}  {stage}{knobs}  {self.status}{where}  "
@@ -181,7 +183,7 @@ class _Board:
         table.add_column("s/step", justify="right")
         for row in rows:
             style = _STATUS_STYLE.get(row.status, "")
-            status = row.status + (f" in {row.phase}" if row.phase else "")
+            status = row.status + (f" in {row.phase}" if row.phase else "") + (" (estimated)" if row.estimated else "")
             table.add_row(str(row.number), row.purpose, *(Text(label) for label in row.knobs.values()),
                           Text(status, style=style or None), _bar(row, style),
                           f"{row.seconds_per_step:.3f}" if row.seconds_per_step else "")

@@ -23,7 +23,8 @@ The recipe, phase by phase, each metered on its own (AI Toolkit's order and devi
                   the VAE decode
     train         `steps` LoRA steps over a bucket schedule with the heaviest bucket and clip at the
                   first, middle and last step (optimizer state and fragmentation present by then)
-    last_sample   the preview at the end of training, unless disable_sampling
+    last_sample   the preview at the end of training, unless disable_sampling, with the optimizer's
+                  state still held
 
 Request (built by `request_for` from a job file with AI Toolkit's defaults): model (see
 models.model_spec), dtype, quantize and quantize_te (None, 8 or 4 bits) with quant_type and
@@ -31,12 +32,16 @@ quant_type_te, low_vram, text_encoder ("keep", "cache" or "unload"), cache_laten
 ([resolution, frames] pairs the datasets train on), batch_size, accumulation,
 gradient_checkpointing, rank, alpha, optimizer, lr, trained (the denoisers that get a LoRA),
 switch_every (two-expert models), sample ({first, last, width, height, frames, steps,
-guidance_scale}), steps, meter, budget_bytes, gpu, seed.
+guidance_scale}), steps, meter, budget_bytes, gpu, seed; optional: prime_optimizer (the
+optimizer's state made before the first step, see `_prime_optimizer`; the estimate runs one
+step), overhead (the estimate meter's GPU overhead model, see overhead.py).
 
 Result: {"status": "ok"|"oom"|"error"|"timeout", "phase": the phase that failed or None,
 "peak_bytes", "phases": {name: peak bytes}, "phase_stats": {name: {peak_allocated,
-peak_reserved, seconds}}, "seconds_per_step", "steps_run", "error", "oom_kind", "meter",
-"outside_bytes" (cuda: memory outside PyTorch's allocator, included in every peak)}.
+peak_reserved, seconds; estimate: peak_live}}, "seconds_per_step", "steps_run", "error",
+"oom_kind", "meter", "outside_bytes" (cuda: memory outside PyTorch's allocator, included in
+every peak; estimate: the modelled CUDA context), "max_rss_bytes" and "cpu_seconds" (host
+memory of the probe process at its highest, and its CPU time)}.
 """
 
 from __future__ import annotations
@@ -61,11 +66,13 @@ SAMPLE_STEPS = 2
 
 
 # -- the request, built by the parent from a job file (no torch here) ----------------------------
-def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int = 0) -> dict[str, Any]:
-    """Everything a probe needs, read from the job file with AI Toolkit's defaults."""
+def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int = 0,
+                spec: dict | None = None) -> dict[str, Any]:
+    """Everything a probe needs, read from the job file with AI Toolkit's defaults (`spec`: the
+    model, when the caller has it another way, such as an estimate's weightless architecture)."""
     from fitfinder import models
 
-    spec = models.model_spec(job)
+    spec = spec or models.model_spec(job)
     family = models.FAMILIES[spec["family"]]
     quantize_te = job.get("model.quantize_te", None)
     if quantize_te is None:  # AI Toolkit: quantize_te defaults to quantize
@@ -157,7 +164,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     # The imported libraries' objects never become garbage: freezing them makes each phase's
     # collection (so that one phase's garbage does not count in the next) cost ms, not 0.3 s.
     gc.freeze()
-    meter = meters.make(request["meter"], request.get("budget_bytes"), request.get("gpu", 0))
+    meter = meters.make(request["meter"], request.get("budget_bytes"), request.get("gpu", 0), request.get("overhead"))
     result: dict[str, Any] = {"status": "ok", "phase": None, "error": None, "oom_kind": None,
                               "seconds_per_step": None, "steps_run": 0, "meter": meter.describe()}
     failure = None
@@ -179,7 +186,18 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     result["budget_bytes"] = request.get("budget_bytes")
     result["outside_bytes"] = getattr(meter, "outside_bytes", None)
     result["meter"] = meter.describe()
+    result.update(_host_usage())
     return result
+
+
+def _host_usage() -> dict[str, Any]:
+    """This process's host memory at its highest and the CPU time it used (a forked child's
+    count starts at its fork)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {"max_rss_bytes": usage.ru_maxrss * 1024,  # Linux reports KiB
+            "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 3)}
 
 
 def _quiet_libraries() -> None:
@@ -213,11 +231,14 @@ def _recipe(request: dict, meter, result: dict) -> None:
             _sample(pipe, request, prompts)
     with _phase("train", pipe, request):
         prompts["train"] = {key: meter.to_device(value) for key, value in prompts["train"].items()}
-        _train(pipe, request, prompts, result)
+        optimizer = _train(pipe, request, prompts, result)
     del prompts["train"]  # and end with the training steps
     if sample["last"]:
+        # A preview during training: the optimizer's state is still held, as in a run that
+        # samples every N steps.
         with _phase("last_sample", pipe, request):
             _sample(pipe, request, prompts)
+    del optimizer
 
 
 @contextlib.contextmanager
@@ -341,8 +362,9 @@ def _expert(pipe, level: float) -> str:
     return denoisers[0] if level >= pipe.arch.get("boundary_ratio", 0.875) else denoisers[1]
 
 
-def _train(pipe, request: dict, prompts: dict, result: dict) -> None:
-    """LoRA steps over the shape schedule; the optimizer steps every `accumulation` micro-steps."""
+def _train(pipe, request: dict, prompts: dict, result: dict):
+    """LoRA steps over the shape schedule; the optimizer steps every `accumulation` micro-steps.
+    Returns the optimizer, whose state outlives the phase (previews happen during training)."""
     import torch
     import torch.nn.functional as F
 
@@ -350,8 +372,13 @@ def _train(pipe, request: dict, prompts: dict, result: dict) -> None:
     recipe, trained = pipe.recipe, request["trained"]
     for name in trained:
         pipe.parts[name].train()
-    optimizer = _optimizer(request["optimizer"], pipe.trainable_parameters(trained), request["lr"])
+    with pipe.meter.concrete():  # bitsandbytes builds its code books from values
+        optimizer = _optimizer(request["optimizer"], pipe.trainable_parameters(trained), request["lr"])
     steps, accumulation = request["steps"], max(1, request["accumulation"])
+    if request.get("prime_optimizer"):
+        # Gradients outlive a step only while the same denoiser keeps training (see the loop).
+        carried = accumulation > 1 and (len(trained) == 1 or request["switch_every"] > 1)
+        _prime_optimizer(pipe, request, optimizer, keep_gradients=carried)
     schedule = shape_schedule(request["shapes"], steps)
     middle = steps // 2
     heaviest_steps = {0, middle, steps - 1}
@@ -383,6 +410,31 @@ def _train(pipe, request: dict, prompts: dict, result: dict) -> None:
         result["steps_run"] = step + 1
     steady = timings[1:] or timings  # the first step pays one-time costs
     result["seconds_per_step"] = round(sum(steady) / len(steady), 5)
+    return optimizer
+
+
+def _prime_optimizer(pipe, request: dict, optimizer, keep_gradients: bool) -> None:
+    """The state a run has by its later steps, made without training steps (prime_optimizer).
+
+    Each trained denoiser, placed as its training step would place it, gets zero gradients on
+    its LoRA and the optimizer steps, which creates its state exactly as a real step does (same
+    tensors, same transient). With `keep_gradients` (accumulation) the first denoiser keeps
+    gradients, as the next micro-step finds them. A one-step run (the estimate's) then meets its
+    heaviest shape in the state the probe's later steps meet it in.
+    """
+    import torch
+
+    trained = request["trained"]
+    for name in trained:
+        pipe.place(resident("train", request, pipe.family, active=name))
+        for param in pipe.trainable_parameters([name]):
+            param.grad = torch.zeros_like(param)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if keep_gradients:
+        for param in pipe.trainable_parameters(trained[:1]):
+            param.grad = torch.zeros_like(param)
+    pipe.meter.register(optimizer)
 
 
 def _training_latents(pipe, request: dict, side: int, frames: int, heaviest: bool):

@@ -350,6 +350,7 @@ class SearchOptions:
     worker: bool = False  # this process is one of the workers a search launched
     card: int | None = None  # a worker's physical GPU index (it sees only that card, as device 0)
     budget_is_card: bool = False  # no --vram: the budget is the card's memory
+    prescreen: bool | None = None  # estimate first, decide points well over the budget (None: with cuda)
 
 
 @dataclass
@@ -461,7 +462,7 @@ def result_from_probe(trial: int, step: Step, outcome: dict[str, Any]) -> Result
                   phase=outcome.get("phase"), error=outcome.get("error"),
                   phases=dict(outcome.get("phases") or {}), confirm=step.purpose == "confirm",
                   extra={"seconds_per_step": per_step, "purpose": step.purpose,
-                         "wall_seconds": outcome.get("wall_seconds")})
+                         "wall_seconds": outcome.get("wall_seconds"), "estimated": bool(outcome.get("estimated"))})
 
 
 def _finish(job, space, study, known, options, settings, url, probes_run, proven, budget, limit, out) -> SearchSummary:

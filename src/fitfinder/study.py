@@ -10,6 +10,9 @@ How results map onto trial states (the sampler and the dashboard both read them)
 - crashed, hung, no result line   -> FAIL, with the reason in `error`.
 - decided without a probe         -> PRUNED with `status: decided` and `decided_by` (the trial
   whose result rules it out): points the plan would have probed, had dominance not settled them.
+- estimated well over the budget  -> PRUNED with `status: oom` and `estimated: true` (the search's
+  pre-screen, estimate.Prescreen): the predicted phase and peaks instead of measured ones. It
+  reads back on resume as the out-of-memory it stands for, so dominance treats it as one.
 
 Each trial's `purpose` says which stage of the plan asked for it: base, rollback, quality,
 speed or confirm (a confirmation runs longer).
@@ -175,7 +178,7 @@ def result_from_trial(trial) -> Result:
                   phase=attrs.get("phase"), error=attrs.get("error"), phases=dict(attrs.get("phases") or {}),
                   confirm=attrs.get("purpose") == "confirm",
                   extra={"seconds_per_step": attrs.get("seconds_per_step"), "purpose": attrs.get("purpose"),
-                         "wall_seconds": attrs.get("wall_seconds")})
+                         "wall_seconds": attrs.get("wall_seconds"), "estimated": bool(attrs.get("estimated"))})
 
 
 def decided_keys(study, space: Space) -> set[tuple]:
@@ -328,6 +331,7 @@ def _record(study, trial, space, result, probe_result, limit_bytes, purpose) -> 
         "meter": probe_result.get("meter"),
         "verdict": result.verdict,
         "failed_phases": list(result.failed_phases),
+        "estimated": bool(probe_result.get("estimated")),
     }
     for key, value in attrs.items():
         trial.set_user_attr(key, _jsonable(value))

@@ -16,7 +16,9 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fitfinder import search
 from fitfinder.errors import RunFailed, UserError
@@ -25,7 +27,7 @@ from fitfinder.search import Result, Step
 
 def work(job, space, study, options, limit: int | None, out) -> None:
     """Probe the study's planned points until the plan is done or the trial cap is reached."""
-    from fitfinder import probe, study as studies
+    from fitfinder import estimate, probe, study as studies
 
     settings = job.settings
     log_dir = Path(options.results_dir) / options.study_name / "probes"
@@ -33,7 +35,9 @@ def work(job, space, study, options, limit: int | None, out) -> None:
     card = _card(options)
     _refuse_a_different_card(study, card, options.study_name)
     runner = probe.ProbeRunner(timeout_s=settings.probe_timeout)
-    faults = search._faults_from_env()
+    physical = options.card if options.card is not None else options.gpu  # NVML ignores CUDA_VISIBLE_DEVICES
+    bench = _Bench(runner, estimate.prescreen_for(options.prescreen, runner, settings.vram_bytes, options.meter,
+                                                  physical), search._faults_from_env(), log_dir, card)
     pause = 0.5  # while others probe what the plan waits for: short, probes can be too
     with out.progress(settings.trials, "probing"):
         while True:
@@ -54,11 +58,24 @@ def work(job, space, study, options, limit: int | None, out) -> None:
             else:
                 trial = studies.claim(study, space, step.point, step.purpose)
             if trial is not None:
-                _probe(trial, job, space, study, options, limit, runner, faults, log_dir, card, out)
+                _probe(trial, job, space, study, options, limit, bench, out)
 
 
-def _probe(trial, job, space, study, options, limit, runner, faults, log_dir, card, out) -> None:
-    """Probe the claimed trial's point (maybe planned by another worker) and record it."""
+@dataclass
+class _Bench:
+    """What a worker measures with: the probe runner, the pre-screen (or None), the injected
+    faults of the tests, where probe logs go, and the card."""
+
+    runner: Any
+    screen: Any
+    faults: dict
+    log_dir: Path
+    card: dict
+
+
+def _probe(trial, job, space, study, options, limit, bench: _Bench, out) -> None:
+    """Probe the claimed trial's point (maybe planned by another worker) and record it; a point
+    the pre-screen estimates far over the budget is recorded as its predicted OOM instead."""
     from fitfinder import probe, study as studies
 
     purpose = trial.user_attrs.get("purpose", "")
@@ -66,14 +83,16 @@ def _probe(trial, job, space, study, options, limit, runner, faults, log_dir, ca
     settings = job.settings
     request = probe.request_for(space.apply(job, step.point), settings.probe_steps * step.steps_factor,
                                 options.meter, settings.vram_bytes, options.gpu)
-    if trial.number in faults:
-        request["fault"] = faults[trial.number]
+    if trial.number in bench.faults:
+        request["fault"] = bench.faults[trial.number]
     trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
-    trial.set_user_attr("card", card["name"])
-    trial.set_user_attr("card_total_bytes", card["total_bytes"])
+    trial.set_user_attr("card", bench.card["name"])
+    trial.set_user_attr("card_total_bytes", bench.card["total_bytes"])
     try:
         with studies.heartbeat_while(study, trial):
-            outcome = runner.run(request, log_dir / f"trial-{trial.number:04d}.log")
+            outcome = bench.screen.outcome(request, purpose) if bench.screen else None
+            if outcome is None:
+                outcome = bench.runner.run(request, bench.log_dir / f"trial-{trial.number:04d}.log")
     except KeyboardInterrupt:
         study.tell(trial, state=studies.fail_state(), skip_if_finished=True)
         raise
@@ -171,6 +190,8 @@ def worker_command(job, options, url: str, index: int) -> list[str]:
         command += ["--vram", str(settings.vram_bytes)]
     if options.gpus:
         command += ["--gpu", "0", "--card", str(options.gpus[index])]
+    if options.prescreen is not None:
+        command += ["--prescreen" if options.prescreen else "--no-prescreen"]
     return command
 
 

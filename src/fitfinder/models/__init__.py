@@ -135,6 +135,33 @@ def model_spec(job) -> dict[str, Any]:
     return {"family": family, "weights": "pretrained", "arch_name": name, "arch": arch, "path": str(path)}
 
 
+def architecture_spec(job) -> dict[str, Any]:
+    """The job's model as an estimate needs it: the architecture, never the weights.
+
+    A local diffusers folder lends its config files; otherwise the shipped architecture of that
+    name (or of any name with `fitfinder: {weights: random}`); otherwise the Hugging Face cache's
+    snapshot, read offline. Nothing is downloaded and no weight file is opened.
+    """
+    family = family_of(job)
+    name = str(job.get("model.name_or_path", None) or "")
+    local = Path(name).expanduser() if name else None
+    if job.settings.weights != "random" and local is not None and local.is_dir():
+        return {"family": family, "weights": "none", "arch_name": name, "arch": arch_from_folder(local, family),
+                "path": None}
+    found = _shipped_by_name(name)
+    if job.settings.weights == "random" or (found is not None and found[1]["family"] == family):
+        arch_name, arch = shipped_arch(job, family)
+        return {"family": family, "weights": "none", "arch_name": arch_name, "arch": arch, "path": None}
+    try:
+        folder = _local_weights(name, job.source)
+    except UserError:
+        matching = [stem for stem, arch in known_archs().items() if arch["family"] == family]
+        raise UserError(f"{job.source}: model.name_or_path {name!r} is neither a shipped {family} architecture "
+                        f"({', '.join(matching)}) nor a local diffusers folder; set it to one of those") from None
+    return {"family": family, "weights": "none", "arch_name": name, "arch": arch_from_folder(folder, family),
+            "path": None}
+
+
 def shipped_arch(job, family: str | None = None) -> tuple[str, dict]:
     """The shipped architecture config named by `model.name_or_path` (stem or one of its names)."""
     family = family or family_of(job)

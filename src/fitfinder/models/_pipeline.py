@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from fitfinder.models import FAMILIES
+from fitfinder.models import FAMILIES, _fake
 from fitfinder.models._families import Inputs, for_family
 from fitfinder.models._weights import build_part, lora_targets, quantize
 
@@ -56,14 +56,16 @@ def load(spec: dict, settings: dict, meter) -> Pipeline:
     for part in pipe.family.parts:
         bits, quant_type = _quantization(pipe.family, part, settings)
         with meter.host():
-            module = build_part(spec, part, pipe.dtype, "cpu" if low_vram else meter.device)
+            module = _build(spec, part, pipe.dtype, "cpu" if low_vram else meter.device, meter)
             if bits and low_vram:
-                quantize(module, bits, pipe.dtype, quant_type)
+                with meter.concrete():
+                    quantize(module, bits, pipe.dtype, quant_type)
         pipe.parts[part] = module
         if not low_vram:
             pipe.place(pipe.on_device | {part})
             if bits:
-                quantize(pipe.parts[part], bits, pipe.dtype, quant_type)
+                with meter.concrete():
+                    quantize(pipe.parts[part], bits, pipe.dtype, quant_type)
                 meter.register(pipe.parts[part])  # bitsandbytes keeps row scales outside the dispatch's sight
     for name in settings["trained"]:
         if name in pipe.on_device:
@@ -72,6 +74,13 @@ def load(spec: dict, settings: dict, meter) -> Pipeline:
             with meter.host():
                 _add_lora(pipe, name, settings)
     return pipe
+
+
+def _build(spec: dict, part: str, dtype: torch.dtype, device, meter) -> torch.nn.Module:
+    """The part's weights; under a fake meter (the estimate) its architecture as fake tensors."""
+    if getattr(meter, "fake", False):
+        return _fake.build_part(spec, part, dtype)
+    return build_part(spec, part, dtype, device)
 
 
 def _quantization(family, part: str, settings: dict) -> tuple[int | None, str]:
@@ -83,14 +92,27 @@ def _quantization(family, part: str, settings: dict) -> tuple[int | None, str]:
 
 
 def _add_lora(pipe: Pipeline, name: str, settings: dict) -> None:
-    """A fresh peft LoRA on the family's targets, in the training dtype; gradient checkpointing as asked."""
+    """A fresh peft LoRA on the family's targets, in the training dtype; gradient checkpointing as asked.
+
+    peft builds each adapter in host memory and then moves it next to its base layer, in the base
+    layer's dtype when that is a floating one: a card never holds the fp32 copies it starts from,
+    so the device counts the adapter from that move on. The cast to the training dtype happens
+    where the denoiser is.
+    """
     from peft import LoraConfig
 
     denoiser = pipe.parts[name]
     torch.manual_seed(settings.get("seed", 0))
     targets = lora_targets(denoiser, pipe.family.lora_blocks)
-    denoiser.add_adapter(LoraConfig(r=settings["rank"], lora_alpha=settings["alpha"], target_modules=targets,
-                                    init_lora_weights="gaussian"))
+    config = LoraConfig(r=settings["rank"], lora_alpha=settings["alpha"], target_modules=targets,
+                        init_lora_weights="gaussian")
+    with pipe.meter.host():
+        if getattr(pipe.meter, "fake", False):
+            _fake.add_adapter(denoiser, config)
+        else:
+            denoiser.add_adapter(config)
+    if name in pipe.on_device:
+        pipe.meter.register(denoiser)
     for param in denoiser.parameters():
         if param.requires_grad:
             param.data = param.data.to(pipe.dtype)  # AI Toolkit trains the LoRA in train.dtype

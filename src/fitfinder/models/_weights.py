@@ -96,8 +96,7 @@ def _built_random(cls: type, config: dict, dtype: torch.dtype, device: torch.dev
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers real
         module = _construct(cls, config)
     module.to(dtype)
-    for name in _kept_in_fp32(module, dtype):
-        module.get_submodule(name).float()
+    keep_in_fp32(module, dtype)
     pools: dict[torch.dtype, torch.Tensor] = {}
     made: dict[int, torch.nn.Parameter] = {}  # tied parameters stay tied
     for submodule in module.modules():
@@ -130,12 +129,19 @@ def _random_like(param: torch.Tensor, pools: dict, device: torch.device) -> torc
     return data
 
 
-def _kept_in_fp32(module: torch.nn.Module, dtype: torch.dtype) -> list[str]:
-    """Modules from_pretrained keeps in fp32: diffusers always, transformers only under fp16."""
+def keep_in_fp32(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast back to fp32 what from_pretrained keeps in fp32 after a cast to `dtype`: diffusers
+    always, transformers only under fp16. A name in `_keep_in_fp32_modules` is a module (with its
+    buffers) or a parameter (Wan's `scale_shift_table`), wherever it sits in the tree."""
     keep = getattr(module, "_keep_in_fp32_modules", None) or []
     if dtype == torch.float32 or not keep or (not _is_diffusers(type(module)) and dtype != torch.float16):
-        return []
-    return [name for name, _ in module.named_modules() if name and any(k in name.split(".") for k in keep)]
+        return
+    for name, submodule in module.named_modules():
+        if name and any(k in name.split(".") for k in keep):
+            submodule.float()
+    for name, param in module.named_parameters():
+        if any(k in name.split(".") for k in keep):
+            param.data = param.data.float()
 
 
 # -- quantization ---------------------------------------------------------------------------------
@@ -144,14 +150,14 @@ def quantize(module: torch.nn.Module, bits: int, compute_dtype: torch.dtype, qua
 
     Layer by layer, so the transient is one layer: the full-precision weight is freed as soon as
     its quantized twin exists. diffusers' BitsAndBytesConfig refuses to run without a GPU, so the
-    swap is done here; `is_loaded_in_8bit`/`_4bit` tell peft to wrap the quantized layers.
+    swap is done here; `is_loaded_in_8bit`/`_4bit` tell peft to wrap the quantized layers. As that
+    config does, a diffusers model's fp32-kept modules stay as they are (Wan casts its timestep to
+    the dtype of its time embedder's first weight, which must stay a float).
     Returns the number of layers quantized.
     """
-    # Modules the model keeps in fp32 (Wan's time embedder, ...) stay unquantized, as diffusers'
-    # own quantizers leave them.
-    keep = tuple(getattr(module, "_keep_in_fp32_modules", None) or ())
+    kept = (getattr(module, "_keep_in_fp32_modules", None) or []) if _is_diffusers(type(module)) else []
     names = [name for name, child in module.named_modules()
-             if type(child) is torch.nn.Linear and not any(part in name.split(".") for part in keep)]
+             if type(child) is torch.nn.Linear and not any(k in name.split(".") for k in kept)]
     for name in names:
         parent_name, _, child_name = name.rpartition(".")
         parent = module.get_submodule(parent_name)
@@ -174,19 +180,36 @@ def _quantized_twin(linear: torch.nn.Linear, bits: int, compute_dtype: torch.dty
         layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=False,
                                     has_fp16_weights=False, device="meta")
         int8, scales, _ = int8_vectorwise_quant(weight.to(torch.float16))
-        layer.weight = bnb.nn.Int8Params(int8, requires_grad=False, has_fp16_weights=False, CB=int8, SCB=scales)
+        layer.weight = _parameter(bnb.nn.Int8Params, int8, has_fp16_weights=False, CB=int8, SCB=scales)
     else:
         layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=False, compute_dtype=compute_dtype,
                                   quant_type=quant_type, device="meta")
         packed, state = quantize_4bit(weight, blocksize=64, quant_type=quant_type, quant_storage=torch.uint8,
                                       compress_statistics=True)
-        layer.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, quant_type=quant_type,
-                                         bnb_quantized=True, module=layer)
+        layer.weight = _parameter(bnb.nn.Params4bit, packed, quant_state=state, blocksize=64, compress_statistics=True,
+                                  quant_type=quant_type, quant_storage=torch.uint8, bnb_quantized=True, module=layer)
         # Keep the GPU's layout on a CPU: bitsandbytes would repack 4-bit weights for its CPU
         # inference kernels (other memory, and only for widths divisible by 64).
         layer.support_avx512bf16_for_cpu = False
     layer.bias = bias
     return layer.train(linear.training)
+
+
+def _parameter(cls: type, data: torch.Tensor, **attributes) -> torch.nn.Parameter:
+    """bitsandbytes' frozen parameter class around `data`.
+
+    No tensor subclass can wrap a fake tensor (the estimate meter's): there the same tensors are
+    held by a plain frozen Parameter that carries bitsandbytes' attributes (CB and SCB, or the
+    quant_state), which is all its layers and peft's wrappers read. The bytes are the same.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if not isinstance(data, FakeTensor):
+        return cls(data, requires_grad=False, **attributes)
+    param = torch.nn.Parameter(data, requires_grad=False)
+    for name, value in attributes.items():
+        setattr(param, name, value)
+    return param
 
 
 # -- LoRA -----------------------------------------------------------------------------------------

@@ -1,0 +1,216 @@
+"""What a GPU holds beyond the tensors: the estimate's overhead model, and its calibration.
+
+An estimate counts tensor storages. A card shows more (the cuda meter reports it all):
+
+- the CUDA context and the libraries' own memory (kernels, cuBLAS/cuDNN handles), outside
+  PyTorch's allocator: `context_bytes`;
+- the cuBLAS workspace, which PyTorch allocates through its caching allocator at the first
+  matrix product and keeps for the life of the process: `workspace_bytes`;
+- the caching allocator's fragmentation: reserved segments it cannot hand out in one piece,
+  as a share of the peak allocated bytes: `fragmentation`.
+
+The defaults are documented guesses for a recent card with `expandable_segments:True` (which
+the probes set); `fitfinder calibrate --gpu N` measures the three on a real card and stores
+them under the cache folder, keyed by the card's name, for later estimates.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from fitfinder.errors import RunFailed, UserError
+
+MiB = 2**20
+# CUDA context with lazily loaded modules plus cuBLAS/cuDNN handles after the first matmul and
+# attention call: about 0.4-0.6 GiB on Ampere/Ada/Hopper cards with CUDA 12.
+DEFAULT_CONTEXT_BYTES = 512 * MiB
+# PyTorch's default cuBLAS workspace on Hopper (CUBLAS_WORKSPACE_CONFIG=:4096:8, 32 MiB); older
+# cards default to less (:4096:2:16:8, about 8 MiB), so this errs on the heavy side.
+DEFAULT_WORKSPACE_BYTES = 32 * MiB
+# Reserved over allocated at a phase's peak, with expandable segments: a few percent.
+DEFAULT_FRAGMENTATION = 0.03
+
+
+@dataclass(frozen=True)
+class GpuOverhead:
+    """The memory a card holds beyond the tensor storages, and where the numbers come from."""
+
+    context_bytes: int = DEFAULT_CONTEXT_BYTES
+    workspace_bytes: int = DEFAULT_WORKSPACE_BYTES
+    fragmentation: float = DEFAULT_FRAGMENTATION
+    source: str = "defaults"
+
+    def __post_init__(self) -> None:
+        for name in ("context_bytes", "workspace_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} cannot be negative but got {getattr(self, name)}")
+        if not 0 <= self.fragmentation < 1:
+            raise ValueError(f"fragmentation must be in [0, 1) but got {self.fragmentation}")
+
+    def device_peaks(self, allocated_bytes: int) -> tuple[int, int]:
+        """(allocated, reserved) as the cuda meter reports a phase: the allocator's blocks plus the
+        workspace, then the fragmentation on top, each plus the context."""
+        allocated = allocated_bytes + self.workspace_bytes
+        reserved = allocated + math.ceil(allocated * self.fragmentation)
+        return allocated + self.context_bytes, reserved + self.context_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> "GpuOverhead":
+        if not values:
+            return cls()
+        known = {k: values[k] for k in ("context_bytes", "workspace_bytes", "fragmentation", "source") if k in values}
+        return cls(**known)
+
+    def describe(self) -> str:
+        from fitfinder.units import format_bytes
+
+        if self.source == "none":
+            return "no GPU overhead: tensor bytes only, as the sim meter counts them"
+        return (f"GPU overhead ({self.source}): context {format_bytes(self.context_bytes)}, "
+                f"cuBLAS workspace {format_bytes(self.workspace_bytes)}, fragmentation {self.fragmentation:.1%}")
+
+    @classmethod
+    def none(cls) -> "GpuOverhead":
+        """No device at all: estimates are then the tensor bytes alone, as the sim meter counts
+        them (no allocator rounding either)."""
+        return cls(0, 0, 0.0, "none")
+
+
+# -- calibration: measured on a card, stored by its name -------------------------------------------
+def calibration_dir() -> Path:
+    from fitfinder.models import cache_dir
+
+    return cache_dir() / "calibration"
+
+
+def card_key(gpu_name: str) -> str:
+    """A file name for a card: 'NVIDIA GeForce RTX 4090' -> 'nvidia-geforce-rtx-4090'."""
+    return re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-") or "gpu"
+
+
+def from_measurement(measured: dict[str, Any]) -> GpuOverhead:
+    """The overhead model from one calibration run's raw numbers (see _calibrate_gpu.py).
+
+    context: what the card lost to this process beyond PyTorch's reserved segments, with the
+    memory other processes held before it started taken off; workspace: what the first matrix
+    product left allocated beyond its output; fragmentation: reserved over allocated at the peak
+    of a training-like workload, less one (never below zero).
+    """
+    context = measured["used_after_bytes"] - measured["used_before_bytes"] - measured["reserved_bytes"]
+    workspace = measured["allocated_after_matmul_bytes"] - measured["allocated_before_matmul_bytes"] \
+        - measured["matmul_output_bytes"]
+    fragmentation = measured["workload_peak_reserved_bytes"] / measured["workload_peak_allocated_bytes"] - 1
+    return GpuOverhead(context_bytes=max(int(context), 0), workspace_bytes=max(int(workspace), 0),
+                       fragmentation=round(min(max(fragmentation, 0.0), 0.5), 4),
+                       source=f"calibrated on {measured['gpu_name']}")
+
+
+def save(model: GpuOverhead, measured: dict[str, Any], folder: Path | None = None) -> Path:
+    """Store a calibration under the cache folder, one file per card name."""
+    from fitfinder.jobconfig import write_atomic
+
+    folder = folder or calibration_dir()
+    path = folder / f"{card_key(measured['gpu_name'])}.json"
+    write_atomic(path, json.dumps({"gpu_name": measured["gpu_name"], "overhead": model.as_dict(),
+                                   "measured": measured}, indent=2) + "\n")
+    return path
+
+
+def stored(folder: Path | None = None) -> dict[str, GpuOverhead]:
+    """Every stored calibration, by card name; a file that cannot be read is named in the error."""
+    folder = folder or calibration_dir()
+    found = {}
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            data = json.loads(path.read_text())
+            found[str(data["gpu_name"])] = GpuOverhead.from_dict(data["overhead"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise UserError(f"{path}: not a fitfinder calibration ({type(exc).__name__}: {exc}); "
+                            "delete it and run `fitfinder calibrate --gpu N` again") from None
+    return found
+
+
+def for_card(text: str, folder: Path | None = None) -> GpuOverhead:
+    """The stored calibration of the card whose name contains `text` (any case); exactly one must."""
+    calibrations = stored(folder)
+    wanted = text.strip().lower()
+    exact = [name for name in calibrations if name.lower() == wanted or card_key(name) == card_key(text)]
+    matching = exact or [name for name in calibrations if wanted and wanted in name.lower()]
+    if len(matching) == 1:
+        return calibrations[matching[0]]
+    known = ", ".join(calibrations) or "none yet; run `fitfinder calibrate --gpu N` on that card"
+    what = "matches more than one" if matching else "matches no"
+    raise UserError(f"--card: {text!r} {what} stored calibration (stored: {known})")
+
+
+def for_gpu(index: int, folder: Path | None = None) -> GpuOverhead:
+    """The stored calibration of the card at `index` (read through NVML), or the defaults."""
+    name = gpu_name(index)
+    if name is None:
+        return GpuOverhead()
+    return stored(folder).get(name, GpuOverhead())
+
+
+def gpu_name(index: int) -> str | None:
+    """The card's name through NVML (no CUDA context in this process), or None without one."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(index))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no driver, no card: no name
+        return None
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+# -- fitfinder calibrate --gpu N ---------------------------------------------------------------------
+CALIBRATE_TIMEOUT_S = 300.0
+
+
+def calibrate(index: int, folder: Path | None = None) -> tuple[GpuOverhead, Path, dict[str, Any]]:
+    """Measure the card at `index` in a short subprocess, store and return its overhead model.
+
+    The measurement runs in its own process (`_calibrate_gpu.py`) so that its context is all the
+    CUDA this process ever makes, and is gone when it ends.
+    """
+    import subprocess
+    import sys
+
+    script = Path(__file__).with_name("_calibrate_gpu.py")
+    from fitfinder.meter import CUDA_ALLOC_CONF
+
+    env = dict(os.environ)
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)  # measured as the probes allocate
+    try:
+        done = subprocess.run([sys.executable, str(script), str(index)], capture_output=True, text=True,
+                              timeout=CALIBRATE_TIMEOUT_S, env=env)
+    except subprocess.TimeoutExpired:
+        raise RunFailed(f"calibrating GPU {index} took more than {CALIBRATE_TIMEOUT_S:g} s; is the card hung?") from None
+    measured = parse_measurement(done.stdout, done.stderr)
+    model = from_measurement(measured)
+    return model, save(model, measured, folder), measured
+
+
+def parse_measurement(stdout: str, stderr: str = "") -> dict[str, Any]:
+    """The calibration child's one JSON line, or RunFailed saying why there is none."""
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    try:
+        answer = json.loads(lines[-1])
+    except (IndexError, ValueError):
+        tail = " | ".join(stderr.strip().splitlines()[-3:])[-400:]
+        raise RunFailed(f"the calibration printed no result{': ' + tail if tail else ''}") from None
+    if not answer.get("ok"):
+        raise RunFailed(f"calibration failed: {answer.get('error', 'no reason given')}")
+    return answer

@@ -1,0 +1,124 @@
+"""The estimate: the probe's recipe on fake tensors; exact against the sim meter, and at full size."""
+
+import importlib.util
+import math
+
+import pytest
+
+from fitfinder import estimate, jobconfig, meter, probe
+from fitfinder.overhead import GpuOverhead
+from tests.conftest import DEMO, REFERENCE, ROOT
+
+MiB, GiB = 2**20, 2**30
+ALL_PHASES = ["load", "text_encoder", "latents", "sample", "train", "last_sample"]
+
+
+def _benchmark():
+    """benchmarks/estimate_accuracy.py: the configurations and the comparison live there, once."""
+    spec = importlib.util.spec_from_file_location("estimate_accuracy", ROOT / "benchmarks" / "estimate_accuracy.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return probe.ProbeRunner(timeout_s=600)
+
+
+# -- the meter ---------------------------------------------------------------------------------
+def test_the_meter_rounds_as_the_caching_allocator_and_adds_the_overhead():
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    overhead = GpuOverhead(context_bytes=500 * MiB, workspace_bytes=8 * MiB, fragmentation=0.1, source="test")
+    estimating = meter.EstimateMeter(None, overhead.as_dict())
+    with estimating:
+        with estimating.phase("load"):
+            kept = [torch.empty(1000, dtype=torch.uint8), torch.empty(1), torch.empty(0)]
+        with estimating.phase("train"):
+            transient = torch.empty(3 * MiB + 1, dtype=torch.uint8)
+            del transient
+    assert all(isinstance(t, FakeTensor) for t in kept)  # no memory was taken
+    load, train = estimating.phases["load"], estimating.phases["train"]
+    # 1000 B -> 1024, 4 B -> 512, an empty tensor -> nothing; then the workspace, the fragmentation, the context
+    assert load["peak_live"] == 1004
+    blocks = 1024 + 512 + 8 * MiB
+    assert load["peak_allocated"] == blocks + 500 * MiB
+    assert load["peak_reserved"] == blocks + math.ceil(blocks * 0.1) + 500 * MiB
+    assert train["peak_live"] == 1004 + 3 * MiB + 1
+    assert train["peak_allocated"] == blocks + 3 * MiB + 512 + 500 * MiB
+    assert estimating.outside_bytes == 500 * MiB
+
+
+def test_the_meter_counts_real_tensors_made_where_values_are_needed():
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    estimating = meter.EstimateMeter(None, GpuOverhead.none().as_dict())
+    with estimating:
+        with estimating.phase("train"):
+            with estimating.concrete():
+                code_book = torch.linspace(-1, 1, 256)  # what bitsandbytes builds with .tolist()
+                values = code_book.tolist()
+            scaled = code_book * 2  # mixing it with fake tensors is allowed
+    assert not isinstance(code_book, FakeTensor) and len(values) == 256 and isinstance(scaled, FakeTensor)
+    assert estimating.phases["train"]["peak_live"] == 2 * 256 * 4
+
+
+# -- against the sim meter ---------------------------------------------------------------------
+@pytest.mark.slow
+def test_every_phase_of_32_tiny_configurations_matches_the_sim_meter(runner):
+    bench = _benchmark()
+    rows = bench.measure_accuracy(bench.ACCURACY_CONFIGS, runner)
+    families = {row["config"]: row["family"] for row in rows}
+    assert len(families) >= 30 and set(families.values()) == {"flux", "sdxl", "wan21", "wan22"}
+    assert {row["phase"] for row in rows} == set(ALL_PHASES)
+    worst = max(rows, key=lambda row: abs(row["error"]))
+    assert abs(worst["error"]) <= bench.MAX_ERROR, worst
+
+
+# -- full size ---------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("quantize", [False, True])
+def test_flux_dev_at_512_fits_24_gib_only_with_the_8_bit_base(runner, quantize):
+    """AI Toolkit's 24 GB Flux example quantizes the base: without it the job cannot fit."""
+    found = estimate.run(_benchmark().flux_dev_job(quantize), runner, GpuOverhead())
+    assert found.fits is quantize and found.budget_bytes == 24 * GiB
+    assert list(found.phases) == ALL_PHASES and found.peak_bytes == max(found.phases.values())
+    if quantize:  # the peak is the bf16 transformer on the card before its layers are quantized
+        assert found.peak_bytes < 24 * GiB and found.first_phase_over(24 * GiB) is None
+        assert max(found.phases, key=found.phases.get) == "load"
+    else:  # 12 billion bf16 weights and T5-XXL: out of memory as soon as everything is loaded
+        assert found.peak_bytes > 30 * GiB and found.first_phase_over(24 * GiB) == "load"
+    assert found.max_rss_bytes < 1.5 * GiB
+
+
+@pytest.mark.slow
+def test_the_wan22_example_runs_through_the_estimate(runner):
+    job = jobconfig.load(REFERENCE / "aitk_train_lora_wan22_14b_24gb.yaml")
+    job.settings.vram_bytes = 24 * GiB
+    found = estimate.run(job, runner, GpuOverhead())
+    assert found.arch_name == "wan22-14b" and list(found.phases) == ALL_PHASES
+    assert found.fits  # the 24 GB example: 4-bit experts, one on the card at a time, text embeddings cached
+    assert found.phase_stats["load"]["peak_live"] < 2**20  # low_vram: everything loads in host memory
+    assert found.phases["train"] > 10 * GiB  # one 14B expert at 4 bit, UMT5 gone, activations of 1024 px
+
+
+# -- the request -------------------------------------------------------------------------------
+def test_an_estimate_is_one_primed_step_and_one_denoising_step_of_the_probe_request():
+    job = jobconfig.load(DEMO)
+    request = probe.request_for(job, 20, "sim", job.settings.vram_bytes)
+    request["fault"] = "hang"
+    estimated = estimate.as_estimate(request, GpuOverhead())
+    assert (estimated["meter"], estimated["steps"], estimated["prime_optimizer"]) == ("estimate", 1, True)
+    assert estimated["sample"] == {**request["sample"], "steps": 1}
+    assert "fault" not in estimated and estimated["overhead"] == GpuOverhead().as_dict()
+    same = {k: v for k, v in request.items() if k not in ("meter", "steps", "sample", "fault")}
+    assert {k: estimated[k] for k in same} == same
+
+
+def test_an_estimate_needs_no_weights_only_the_architecture():
+    job = jobconfig.load(REFERENCE / "aitk_train_lora_flux_24gb.yaml")  # pretrained weights, not downloaded
+    request = estimate.request_for(job, GpuOverhead())
+    assert request["model"]["arch_name"] == "flux-dev" and request["model"]["path"] is None
