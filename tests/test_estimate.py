@@ -122,3 +122,61 @@ def test_an_estimate_needs_no_weights_only_the_architecture():
     job = jobconfig.load(REFERENCE / "aitk_train_lora_flux_24gb.yaml")  # pretrained weights, not downloaded
     request = estimate.request_for(job, GpuOverhead())
     assert request["model"]["arch_name"] == "flux-dev" and request["model"]["path"] is None
+
+
+# -- identical blocks run once ------------------------------------------------------------------
+def _stack(kind: str, count: int = 4):
+    """A stack of identical blocks: an MLP whose output is new ("plain"), one that hands an input
+    on as T5 hands on its position bias ("pass"), one that fills in a list argument as Wan's VAE
+    fills its causal cache ("list")."""
+    import torch
+
+    class Mlp(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+
+        def forward(self, x, bias=None, cache=None):
+            out = x + self.down(torch.nn.functional.gelu(self.up(x)))
+            if cache is not None:
+                cache.append(out * 2)
+            return (out, bias) if kind == "pass" else out
+
+    return torch.nn.ModuleList(Mlp() for _ in range(count))
+
+
+def _run_stack(kind: str, replay: bool):
+    import torch
+
+    estimating = meter.EstimateMeter(None, GpuOverhead.none().as_dict())
+    with estimating:
+        with estimating.phase("load"):
+            blocks = _stack(kind)
+        replaying = estimating.replay_repeated_blocks(blocks) if replay else None
+        with estimating.phase("sample"), torch.no_grad():
+            x, bias, cache = torch.empty(8, 64), torch.empty(8, 8), [] if kind == "list" else None
+            for block in blocks:
+                out = block(x, bias, cache) if kind != "plain" else block(x)
+                x = out[0] if kind == "pass" else out
+            shape = tuple(x.shape)
+        with estimating.phase("train"):  # gradients on: every block runs
+            y = torch.empty(8, 64, requires_grad=True)
+            for block in blocks:
+                y = block(y)[0] if kind == "pass" else block(y)
+            y.sum().backward()
+    stats = {name: {k: v for k, v in entry.items() if k != "seconds"} for name, entry in estimating.phases.items()}
+    return stats, shape, (replaying.replayed if replaying else 0), cache
+
+
+@pytest.mark.parametrize("kind", ["plain", "pass"])
+def test_identical_blocks_are_replayed_with_the_same_peaks(kind):
+    replayed_stats, shape, replayed, _ = _run_stack(kind, replay=True)
+    run_stats, run_shape, _, _ = _run_stack(kind, replay=False)
+    assert replayed == 3  # the first block runs, the three after it are replayed
+    assert replayed_stats == run_stats and shape == run_shape == (8, 64)
+
+
+def test_a_block_that_fills_in_a_list_argument_always_runs():
+    stats, _, replayed, cache = _run_stack("list", replay=True)
+    assert replayed == 0 and len(cache) == 4
+    assert stats == _run_stack("list", replay=False)[0]

@@ -219,6 +219,7 @@ def _recipe(request: dict, meter, result: dict) -> None:
     sample = request["sample"]
     with meter.phase("load"):
         pipe = models.load_pipeline(request["model"], request, meter)
+    meter.replay_repeated_blocks(*pipe.parts.values())
     with _phase("text_encoder", pipe, request):
         prompts = _encode_text(pipe, request)
     # The captions' embeddings wait on the host until the steps that use them, as a trainer keeps
