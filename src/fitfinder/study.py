@@ -164,11 +164,13 @@ def read(study, space: Space, limit_bytes: int | None) -> tuple[Knowledge, list[
 
 
 def probes_in(study) -> int:
-    """Probes the study has run or is running (what the trial cap counts)."""
+    """Probes the study has run or is running (what the trial cap counts); points the pre-screen
+    decided on an estimate were not probed."""
     from optuna.trial import TrialState
 
     return sum(1 for t in study.get_trials(deepcopy=False)
-               if t.user_attrs.get("status") in PROBED or t.state == TrialState.RUNNING)
+               if (t.user_attrs.get("status") in PROBED and not t.user_attrs.get("estimated"))
+               or t.state == TrialState.RUNNING)
 
 
 def result_from_trial(trial) -> Result:
