@@ -44,6 +44,15 @@ def run_cli(*args: str, cwd: Path, timeout: float = 600, **env: str) -> subproce
                           capture_output=True, text=True, timeout=timeout)
 
 
+def assert_one_clean_line(result: subprocess.CompletedProcess, expected: str) -> None:
+    """Bad input: exit code 2 and one line on stderr that says what is wrong, no traceback."""
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert expected in lines[0], lines[0]
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
 @pytest.fixture(scope="session", autouse=True)
 def model_cache(tmp_path_factory) -> Path:
     """Random-weight models are saved here once per test session, never under the user's home."""

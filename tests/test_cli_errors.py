@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from tests.conftest import DEMO, run_cli
+from tests.conftest import DEMO, assert_one_clean_line, run_cli
 
 GOOD = DEMO.read_text()
 
@@ -32,14 +32,14 @@ def test_bad_job_file_gives_one_line_and_exit_2(case, tmp_path):
     job = tmp_path / "job.yaml"
     job.write_text(text)
     result = run_cli("search", str(job), cwd=tmp_path)
-    _assert_one_clean_line(result, expected)
+    assert_one_clean_line(result, expected)
     assert job.read_text() == text  # the input is never written to
     assert not (tmp_path / "studies").exists() and not (tmp_path / "results").exists()
 
 
 def test_missing_file(tmp_path):
     result = run_cli("search", "nowhere.yaml", cwd=tmp_path)
-    _assert_one_clean_line(result, "nowhere.yaml: no such file")
+    assert_one_clean_line(result, "nowhere.yaml: no such file")
     assert not (tmp_path / "studies").exists() and not (tmp_path / "results").exists()
 
 
@@ -47,20 +47,13 @@ def test_bad_vram_option(tmp_path):
     job = tmp_path / "job.yaml"
     job.write_text(GOOD)
     result = run_cli("search", str(job), "--vram", "lots", cwd=tmp_path)
-    _assert_one_clean_line(result, "--vram: 'lots' is not a size")
+    assert_one_clean_line(result, "--vram: 'lots' is not a size")
 
 
 def test_debug_variable_shows_the_traceback(tmp_path):
     result = run_cli("search", "nowhere.yaml", cwd=tmp_path, FITFINDER_DEBUG="1")
     assert result.returncode != 0 and "Traceback" in result.stderr
 
-
-def _assert_one_clean_line(result, expected: str) -> None:
-    assert result.returncode == 2, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert expected in lines[0], lines[0]
-    assert "Traceback" not in result.stderr and result.stdout == ""
 
 
 def test_help_does_not_import_heavy_libraries():

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from fitfinder import jobconfig, overhead, probe
-from tests.conftest import DEMO, run_cli
+from tests.conftest import DEMO, assert_one_clean_line, run_cli
 
 MiB = 2**20
 ALL_PHASES = ["load", "text_encoder", "latents", "sample", "train", "last_sample"]
@@ -72,23 +72,15 @@ def test_search_on_estimates_finds_what_the_real_search_finds(tmp_path, demo_run
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, expected):
     done = run_cli("estimate", *args, cwd=tmp_path, FITFINDER_CACHE=str(tmp_path / "cache"))
-    _assert_one_clean_line(done, expected)
+    assert_one_clean_line(done, expected)
 
 
 def test_search_without_a_budget_is_bad_input(tmp_path):
     job = tmp_path / "job.yaml"
     job.write_text(DEMO.read_text().replace("  vram: 13.2MiB", ""))
-    _assert_one_clean_line(run_cli("estimate", str(job), "--search", cwd=tmp_path), "--search needs a memory budget")
+    assert_one_clean_line(run_cli("estimate", str(job), "--search", cwd=tmp_path), "--search needs a memory budget")
 
 
 def test_calibrate_without_that_gpu_is_bad_input(tmp_path):
-    _assert_one_clean_line(run_cli("calibrate", "--gpu", "7", cwd=tmp_path), "--gpu: no CUDA device 7 here")
-    _assert_one_clean_line(run_cli("calibrate", "--gpu", "first", cwd=tmp_path), "--gpu: expected a device index")
-
-
-def _assert_one_clean_line(result, expected: str) -> None:
-    assert result.returncode == 2, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert expected in lines[0], lines[0]
-    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert_one_clean_line(run_cli("calibrate", "--gpu", "7", cwd=tmp_path), "--gpu: no CUDA device 7 here")
+    assert_one_clean_line(run_cli("calibrate", "--gpu", "first", cwd=tmp_path), "--gpu: expected a device index")
