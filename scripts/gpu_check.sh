@@ -39,37 +39,30 @@ CUDA_VISIBLE_DEVICES="$GPU" timeout 180 python -m pytest -q -m gpu tests/test_gp
 
 jobs="$(mktemp -d)"
 trap 'rm -rf "$jobs"' EXIT
-for resolution in 512 1024; do
-  cat > "$jobs/flux-dev-$resolution.yaml" <<YAML
+# flux_job NAME RESOLUTION QUANTIZE CHECKPOINTING: FLUX.1-dev as AI Toolkit's 24 GB example trains
+# it, random weights, one bucket and previews at that size; written to $jobs/NAME.yaml.
+flux_job() {
+  cat > "$jobs/$1.yaml" <<YAML
 job: extension
 config:
-  name: "gpu_check_flux_dev_$resolution"
+  name: "gpu_check_$1"
   process:
     - type: 'sd_trainer'
       network: {type: "lora", linear: 16, linear_alpha: 16}
       datasets:
         - folder_path: "/unused"
           cache_latents_to_disk: true
-          resolution: [ $resolution ]
-      train:
-        batch_size: 1
-        gradient_accumulation_steps: 1
-        gradient_checkpointing: true
-        optimizer: "adamw8bit"
-        lr: 1e-4
-        dtype: bf16
-      model:
-        name_or_path: "black-forest-labs/FLUX.1-dev"
-        is_flux: true
-        quantize: true
-      sample:
-        width: $resolution
-        height: $resolution
-        guidance_scale: 4
-        sample_steps: 20
+          resolution: [ $2 ]
+      train: {batch_size: 1, gradient_checkpointing: $4, optimizer: "adamw8bit", lr: 1e-4, dtype: bf16}
+      model: {name_or_path: "black-forest-labs/FLUX.1-dev", is_flux: true, quantize: $3}
+      sample: {width: $2, height: $2, guidance_scale: 4, sample_steps: 20}
 fitfinder:
   weights: random
 YAML
+}
+
+for resolution in 512 1024; do
+  flux_job "flux-dev-$resolution" "$resolution" true true
   echo "== 2. FLUX.1-dev, random weights, ${resolution}px, --vram 24GiB, $STEPS steps"
   timeout 230 python -m fitfinder probe "$jobs/flux-dev-$resolution.yaml" --gpu "$GPU" --vram 24GiB \
     --steps "$STEPS" --timeout 220 || echo "(probe exited with $?)"
@@ -82,23 +75,7 @@ card="$(nvidia-smi --query-gpu=name --format=csv,noheader -i "$GPU")"
 for point in "512 true true" "1024 true true" "512 false true" "512 false false"; do
   read -r resolution quantize checkpointing <<<"$point"
   name="flux-dev-$resolution-q$quantize-gc$checkpointing"
-  cat > "$jobs/$name.yaml" <<YAML
-job: extension
-config:
-  name: "gpu_check_$name"
-  process:
-    - type: 'sd_trainer'
-      network: {type: "lora", linear: 16, linear_alpha: 16}
-      datasets:
-        - folder_path: "/unused"
-          cache_latents_to_disk: true
-          resolution: [ $resolution ]
-      train: {batch_size: 1, gradient_checkpointing: $checkpointing, optimizer: "adamw8bit", lr: 1e-4, dtype: bf16}
-      model: {name_or_path: "black-forest-labs/FLUX.1-dev", is_flux: true, quantize: $quantize}
-      sample: {width: $resolution, height: $resolution, guidance_scale: 4, sample_steps: 20}
-fitfinder:
-  weights: random
-YAML
+  flux_job "$name" "$resolution" "$quantize" "$checkpointing"
   timeout 400 python -m fitfinder probe "$jobs/$name.yaml" --gpu "$GPU" --steps "$STEPS" --timeout 390 --json \
     > "$jobs/$name.probe.json" || echo "(probe of $name exited with $?)"
   timeout 300 python -m fitfinder estimate "$jobs/$name.yaml" --card "$card" --json \
