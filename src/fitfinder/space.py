@@ -37,7 +37,8 @@ _PREVIEW = frozenset({"sample", "last_sample"})
 # Default priority of the quality knobs: training fidelity > preview fidelity > flexibility.
 QUALITY_ORDER = ("buckets", "frames", "rank", "quantize", "optimizer",
                  "sampling", "sample_size", "sample_frames", "text_encoder")
-# Speed knobs in the seeds' escalation order: checkpointing off, then a larger batch, then offload off.
+# The speed knobs' order. The search climbs the batch first, one step at a time, then turns the
+# switches off in this order (checkpointing, then offload), each alone before two together.
 SPEED_ORDER = ("gradient_checkpointing", "batch", "low_vram")
 
 
