@@ -89,6 +89,10 @@ def search(
     if len(gpus) > 1 and workers > 1:
         raise UserError("--workers is for the CPU; with --gpu 0,1,... there is one worker per GPU")
     workers = max(workers, len(gpus))  # without CUDA, --gpu 0,1 still searches with two workers
+    cores = os.cpu_count() or 1
+    if meter == "sim" and workers > cores and not worker:
+        out.note(f"{workers} workers on {cores} CPU cores: sim probes will share the cores, and a search "
+                 f"with more workers than cores is slower, not faster (docs/scaleout.md)")
     if meter == "cuda" and not worker:  # a dirty card would prune configurations that fit: check first
         from fitfinder import preflight
 
