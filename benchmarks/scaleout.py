@@ -5,7 +5,10 @@
    On this machine the workers share 2 CPU cores, so probes running side by side slow each
    other down: the speed-up is bounded by the cores, not by the plan. On N GPUs each worker has
    its own card.
-2. The storage: N processes each claiming and recording trials as fast as they can (no probe in
+2. The plan's own parallelism, with no cores to share: the stand-in probe of tests/standin.py
+   (memory a known function of 12 knobs, 10,368 points) at 30 budgets, on a clock where a probe
+   takes 1 and a confirmation 3, as N GPUs would run it: time to the end and probes, summed.
+3. The storage: N processes each claiming and recording trials as fast as they can (no probe in
    between) on one SQLite study with heartbeats -- far more writes per second than a search ever
    makes -- counting errors, to back the choice of SQLite as the default for several workers.
 
@@ -27,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))  # tests.standin, for the plan's parallelism
 
 
 def search_once(workers: int, probe_steps: int) -> dict:
@@ -101,6 +105,17 @@ def stress_sqlite(writers: int, per_writer: int, lock: bool = True) -> dict:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def plan_parallelism(counts: list[int]) -> list[dict]:
+    from tests.standin import MiB, make_space, simulate_workers
+
+    space = make_space()
+    rows = []
+    for workers in sorted(set(counts)):
+        runs = [simulate_workers(space, budget * MiB, workers) for budget in range(11, 101, 3)]
+        rows.append({"workers": workers, "time": sum(r[0] for r in runs), "probes": sum(len(r[1]) for r in runs)})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
@@ -126,6 +141,12 @@ def main() -> None:
     same = all(row["best"] == rows[0]["best"] for row in rows)
     print(f"same winner for every run: {'yes' if same else 'NO'}")
 
+    plan = plan_parallelism(args.workers + [8])
+    print("\nthe plan alone (stand-in probe, 30 budgets; a probe takes 1, a confirmation 3)")
+    print(f"{'workers':>8}{'time':>8}{'speed-up':>10}{'probes':>8}")
+    for row in plan:
+        print(f"{row['workers']:>8}{row['time']:>8.0f}{plan[0]['time'] / row['time']:>9.2f}x{row['probes']:>8}")
+
     stress = [stress_sqlite(n, 60, lock) for lock in (False, True) for n in (1, 4, 8)]
     print("\nSQLite with heartbeats, writers claiming and recording trials back to back")
     print("(errors: a trial taken by two writers, so the second cannot record it)")
@@ -134,7 +155,7 @@ def main() -> None:
         print(f"{'on' if row['lock'] else 'off':>11}{row['writers']:>8}{row['trials']:>8}{row['errors']:>8}"
               f"{row['trials'] / row['seconds']:>10.1f}")
     if args.json:
-        args.json.write_text(json.dumps({"search": rows, "sqlite": stress}, indent=2) + "\n")
+        args.json.write_text(json.dumps({"search": rows, "plan": plan, "sqlite": stress}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -108,3 +108,29 @@ def true_optimum(space: spaces.Space, budget: int, margin: float = 0.05):
     if not feasible:
         return None
     return max(feasible, key=lambda p: (space.quality_key(p), -seconds_per_step(p) / p.get("batch", 1)))
+
+
+def simulate_workers(space: spaces.Space, budget: int, workers: int):
+    """Workers sharing one plan, on a clock where a probe takes 1 and a confirmation 3: each free
+    worker asks plan_around for a point nobody probes yet. Returns (time to the end, the probed
+    (purpose, point) list, the winner)."""
+    import heapq
+
+    known = search.Knowledge(space, int(budget * 0.95))
+    clock, events, pending, probed, idle, number = 0.0, [], [], [], list(range(workers)), 0
+    while True:
+        while idle:
+            step = search.plan_around(space, known, [point for _, point in pending])
+            if step.point is None:
+                break
+            idle.pop()
+            number += 1
+            heapq.heappush(events, (clock + (3.0 if step.purpose == "confirm" else 1.0), number, step))
+            pending.append((number, step.point))
+            probed.append((step.purpose, step.point))
+        if not events:
+            return clock, probed, search.best(space, known)
+        clock, done, step = heapq.heappop(events)
+        pending = [(n, p) for n, p in pending if n != done]
+        known.add(search.result_from_probe(done, step, outcome(step.point, budget)))
+        idle.append(done)

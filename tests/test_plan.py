@@ -7,7 +7,7 @@ which points the search asks for, not about measuring memory.
 import pytest
 
 from fitfinder import search
-from tests.standin import MiB, JOB, make_space, outcome, run_plan, true_optimum
+from tests.standin import MiB, JOB, make_space, outcome, run_plan, simulate_workers, true_optimum
 
 
 def _changed(space, before, after):
@@ -167,36 +167,12 @@ def test_explanation_names_the_trial_that_forced_each_loss():
     assert rows["text_encoder"]["verdict"] == "given up" and rows["text_encoder"]["forced_by"] is not None
 
 
-def _simulate_workers(space, budget, workers):
-    """Workers sharing one plan: each free worker asks plan_around for a point nobody probes yet."""
-    import heapq
-
-    known = search.Knowledge(space, int(budget * 0.95))
-    clock, events, pending, probed, idle, number = 0.0, [], [], [], list(range(workers)), 0
-    while True:
-        while idle:
-            step = search.plan_around(space, known, [point for _, point in pending])
-            if step.point is None:
-                break
-            idle.pop()
-            number += 1
-            heapq.heappush(events, (clock + (3.0 if step.purpose == "confirm" else 1.0), number, step))
-            pending.append((number, step.point))
-            probed.append((step.purpose, step.point))
-        if not events:
-            return clock, probed, search.best(space, known)
-        clock, done, step = heapq.heappop(events)
-        pending = [(n, p) for n, p in pending if n != done]
-        known.add(search.result_from_probe(done, step, outcome(step.point, budget)))
-        idle.append(done)
-
-
 @pytest.mark.parametrize("budget_mib", [16, 20, 28, 45])
 def test_parallel_workers_probe_no_point_twice_and_find_the_same_winner_sooner(budget_mib):
     space = make_space()
     budget = budget_mib * MiB
-    alone, _, winner_alone = _simulate_workers(space, budget, 1)
-    together, probed, winner = _simulate_workers(space, budget, 2)
+    alone, _, winner_alone = simulate_workers(space, budget, 1)
+    together, probed, winner = simulate_workers(space, budget, 2)
     keys = [(purpose == "confirm", space.key(point)) for purpose, point in probed]
     assert len(keys) == len(set(keys))
     assert winner.point == winner_alone.point == true_optimum(space, budget)
