@@ -152,7 +152,6 @@ def test_search_on_a_dirty_gpu_stops_before_any_probe(monkeypatch, workdir):
     from fitfinder import cli
 
     monkeypatch.setattr(cli, "cuda_device_count", lambda: 1)
-    monkeypatch.setattr(cli, "gpu_total_bytes", lambda index: 24 * GiB)
     monkeypatch.setattr(preflight, "read_card", lambda index: card(4, GpuProcess(2231, 19 * GiB, "python3")))
     monkeypatch.setattr(preflight, "allocation_test", lambda index: OK)
     monkeypatch.chdir(workdir)

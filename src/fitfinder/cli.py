@@ -68,7 +68,6 @@ def search(
     force: bool = typer.Option(False, "--force", help="Search even if the GPU preflight finds the card not clean."),
     workers: int = typer.Option(1, "--workers", help="Worker processes on the CPU (sim meter); with --gpu: one per GPU."),
     worker: bool = typer.Option(False, "--worker", hidden=True, help="Run as one worker of a launched search."),
-    card: Optional[int] = typer.Option(None, "--card", hidden=True, help="A worker's physical GPU index (NVML)."),
     prescreen: Optional[bool] = typer.Option(
         None, "--prescreen/--no-prescreen",
         help="Estimate each point first (fake tensors, seconds) and decide without a probe those estimated at "
@@ -102,7 +101,7 @@ def search(
     options = searching.SearchOptions(study_name=name, meter=meter, gpu=gpus[0], storage=storage,
                                       studies_dir=studies_dir, results_dir=results_dir, workers=workers,
                                       gpus=tuple(gpus) if meter == "cuda" and len(gpus) > 1 else (),
-                                      worker=worker, card=card, budget_is_card=meter == "cuda" and not budget_given,
+                                      worker=worker, budget_is_card=meter == "cuda" and not budget_given,
                                       prescreen=prescreen)
     summary = searching.run(job, options, out)
     if summary is None:  # a worker: the search that launched it reports
@@ -446,7 +445,9 @@ def _meter(gpu: Optional[str], job, out, need_budget: bool = True) -> tuple[str,
         present = cuda_device_count()
         if all(index < present for index in gpus):
             if job.settings.vram_bytes is None:
-                job.settings.vram_bytes = gpu_total_bytes(gpus[0])
+                from fitfinder import preflight
+
+                job.settings.vram_bytes = preflight.read_card(gpus[0]).total_bytes
             return "cuda", gpus
         out.note(f"no CUDA device {gpu} here; measuring on the CPU with the sim meter instead")
     if need_budget and job.settings.vram_bytes is None:
@@ -467,16 +468,6 @@ def cuda_device_count() -> int:
             pynvml.nvmlShutdown()
     except Exception:
         return 0
-
-
-def gpu_total_bytes(index: int) -> int:
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).total)
-    finally:
-        pynvml.nvmlShutdown()
 
 
 def _study_name(name: str) -> str:

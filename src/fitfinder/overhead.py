@@ -153,7 +153,7 @@ def for_card(text: str, folder: Path | None = None) -> GpuOverhead:
 
 
 def for_gpu(index: int, folder: Path | None = None) -> GpuOverhead:
-    """The stored calibration of the card at `index` (read through NVML), or the defaults."""
+    """The stored calibration of CUDA device `index` (read through NVML), or the defaults."""
     name = gpu_name(index)
     if name is None:
         return GpuOverhead()
@@ -161,18 +161,13 @@ def for_gpu(index: int, folder: Path | None = None) -> GpuOverhead:
 
 
 def gpu_name(index: int) -> str | None:
-    """The card's name through NVML (no CUDA context in this process), or None without one."""
-    try:
-        import pynvml
+    """The name of CUDA device `index` through NVML (no CUDA context here), or None without one."""
+    from fitfinder import preflight
 
-        pynvml.nvmlInit()
-        try:
-            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(index))
-        finally:
-            pynvml.nvmlShutdown()
+    try:
+        return preflight.read_card(index).name
     except Exception:  # noqa: BLE001 - no driver, no card: no name
         return None
-    return name.decode() if isinstance(name, bytes) else str(name)
 
 
 # -- fitfinder calibrate --gpu N ---------------------------------------------------------------------

@@ -350,7 +350,6 @@ class SearchOptions:
     workers: int = 1  # worker processes on this machine
     gpus: tuple[int, ...] = ()  # with the cuda meter: one worker per GPU
     worker: bool = False  # this process is one of the workers a search launched
-    card: int | None = None  # a worker's physical GPU index (it sees only that card, as device 0)
     budget_is_card: bool = False  # no --vram: the budget is the card's memory
     prescreen: bool | None = None  # estimate first, decide points well over the budget (None: with cuda)
 

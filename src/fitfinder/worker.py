@@ -35,9 +35,8 @@ def work(job, space, study, options, limit: int | None, out) -> None:
     card = _card(options)
     _refuse_a_different_card(study, card, options.study_name)
     runner = probe.ProbeRunner(timeout_s=settings.probe_timeout)
-    physical = options.card if options.card is not None else options.gpu  # NVML ignores CUDA_VISIBLE_DEVICES
     bench = _Bench(runner, estimate.prescreen_for(options.prescreen, runner, settings.vram_bytes, options.meter,
-                                                  physical), search._faults_from_env(), log_dir, card)
+                                                  options.gpu), search._faults_from_env(), log_dir, card)
     pause = 0.5  # while others probe what the plan waits for: short, probes can be too
     with out.progress(settings.trials, "probing"):
         while True:
@@ -120,16 +119,10 @@ def _card(options) -> dict:
     """The card this worker measures on: its name and total memory (NVML, no CUDA context)."""
     if options.meter != "cuda":
         return {"name": "cpu (sim meter)", "total_bytes": None}
-    import pynvml
+    from fitfinder import preflight
 
-    pynvml.nvmlInit()
-    try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(options.card if options.card is not None else options.gpu)
-        name = pynvml.nvmlDeviceGetName(handle)
-        return {"name": name.decode() if isinstance(name, bytes) else str(name),
-                "total_bytes": int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)}
-    finally:
-        pynvml.nvmlShutdown()
+    reading = preflight.read_card(options.gpu)  # device 0 of the worker: its CUDA_VISIBLE_DEVICES card
+    return {"name": reading.name, "total_bytes": reading.total_bytes}
 
 
 def _refuse_a_different_card(study, card: dict, name: str) -> None:
@@ -189,7 +182,7 @@ def worker_command(job, options, url: str, index: int) -> list[str]:
     if settings.vram_bytes is not None:
         command += ["--vram", str(settings.vram_bytes)]
     if options.gpus:
-        command += ["--gpu", "0", "--card", str(options.gpus[index])]
+        command += ["--gpu", "0"]  # the one card CUDA_VISIBLE_DEVICES shows it
     if options.prescreen is not None:
         command += ["--prescreen" if options.prescreen else "--no-prescreen"]
     return command
