@@ -126,13 +126,12 @@ def print_accuracy(rows: list[dict]) -> None:
 
 
 # -- 2. full size -----------------------------------------------------------------------------------
-REFERENCE = next((parent / "shared" / "reference" / "configs" for parent in ROOT.parents
-                  if (parent / "shared" / "reference" / "configs").is_dir()), None)
+EXAMPLES = ROOT / "examples" / "aitk"  # the project's job files with AI Toolkit's examples' settings
 
 
 def flux_dev_job(quantize: bool, resolution: int = 512):
     """AI Toolkit's FLUX.1-dev 24 GB example at one bucket and previews of the same size."""
-    job = jobconfig.load(REFERENCE / "aitk_train_lora_flux_24gb.yaml")
+    job = jobconfig.load(EXAMPLES / "train_lora_flux_24gb.yaml")
     job.set("datasets[0].resolution", [resolution])
     job.set("sample.width", resolution)
     job.set("sample.height", resolution)
@@ -145,7 +144,7 @@ def full_size(runner) -> list[dict]:
     cases = [("FLUX.1-dev 512 GC bf16, no quantization", flux_dev_job(False)),
              ("FLUX.1-dev 512 GC bf16, 8-bit base (the 24 GB example)", flux_dev_job(True)),
              ("FLUX.1-dev 1024 GC bf16, 8-bit base", flux_dev_job(True, 1024))]
-    wan = jobconfig.load(REFERENCE / "aitk_train_lora_wan22_14b_24gb.yaml")
+    wan = jobconfig.load(EXAMPLES / "train_lora_wan22_14b_24gb.yaml")
     wan.settings.vram_bytes = 24 * GiB
     cases.append(("Wan 2.2 14B example (4-bit, low_vram, cached text)", wan))
     rows = []
@@ -196,8 +195,6 @@ def main() -> None:
         print_accuracy(report["accuracy"])
         print(f"({time.perf_counter() - started:.0f} s for the accuracy part)")
     if not args.skip_full_size:
-        if REFERENCE is None:
-            sys.exit("no ../shared/reference/configs next to this checkout: the full-size part needs it")
         report["full_size"] = full_size(runner)
         print_full_size(report["full_size"])
         report["cold_command_seconds"] = cold_command_seconds()

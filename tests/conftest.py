@@ -12,10 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.yaml"
-# The project's shared folder sits next to the checkout, or next to the folder holding worktrees.
-REFERENCE = next((parent / "shared" / "reference" / "configs" for parent in ROOT.parents
-                  if (parent / "shared" / "reference" / "configs").is_dir()),
-                 ROOT.parent / "shared" / "reference" / "configs")
+# The project's own job files with the settings of AI Toolkit's examples (nothing outside the checkout).
+EXAMPLES = ROOT / "examples" / "aitk"
 
 
 def pytest_collection_modifyitems(config, items):

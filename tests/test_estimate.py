@@ -7,7 +7,7 @@ import pytest
 
 from fitfinder import estimate, jobconfig, meter, probe
 from fitfinder.overhead import GpuOverhead
-from tests.conftest import DEMO, REFERENCE, ROOT
+from tests.conftest import DEMO, EXAMPLES, ROOT
 
 MiB, GiB = 2**20, 2**30
 ALL_PHASES = ["load", "text_encoder", "latents", "sample", "train", "last_sample"]
@@ -96,7 +96,7 @@ def test_flux_dev_at_512_fits_24_gib_only_with_the_8_bit_base(runner, quantize):
 
 @pytest.mark.slow
 def test_the_wan22_example_runs_through_the_estimate(runner):
-    job = jobconfig.load(REFERENCE / "aitk_train_lora_wan22_14b_24gb.yaml")
+    job = jobconfig.load(EXAMPLES / "train_lora_wan22_14b_24gb.yaml")
     job.settings.vram_bytes = 24 * GiB
     found = estimate.run(job, runner, GpuOverhead())
     assert found.arch_name == "wan22-14b" and list(found.phases) == ALL_PHASES
@@ -119,7 +119,7 @@ def test_an_estimate_is_one_primed_step_and_one_denoising_step_of_the_probe_requ
 
 
 def test_an_estimate_needs_no_weights_only_the_architecture():
-    job = jobconfig.load(REFERENCE / "aitk_train_lora_flux_24gb.yaml")  # pretrained weights, not downloaded
+    job = jobconfig.load(EXAMPLES / "train_lora_flux_24gb.yaml")  # pretrained weights, not downloaded
     request = estimate.request_for(job, GpuOverhead())
     assert request["model"]["arch_name"] == "flux-dev" and request["model"]["path"] is None
 

@@ -4,34 +4,34 @@ import pytest
 
 from fitfinder import jobconfig
 from fitfinder.errors import ConfigError, UserError
-from tests.conftest import DEMO, REFERENCE
+from tests.conftest import DEMO, EXAMPLES
 
 
 def test_reads_ai_toolkit_reference_jobs_with_their_defaults():
-    flux = jobconfig.load(REFERENCE / "aitk_train_lora_flux_24gb.yaml")
-    assert flux.name == "my_first_flux_lora_v1"
+    flux = jobconfig.load(EXAMPLES / "train_lora_flux_24gb.yaml")
+    assert flux.name == "flux_dev_lora_24gb"
     assert flux.get("network.linear") == 16
     assert flux.get("datasets[*].resolution") == [[512, 768, 1024]]
     assert flux.get("model.quantize") is True
     assert flux.get("sample.num_frames") == 1  # left out: AI Toolkit's default
     assert flux.get("model.low_vram") is False
     assert flux.accumulation_key == "train.gradient_accumulation_steps"
-    wan = jobconfig.load(REFERENCE / "aitk_train_lora_wan22_14b_24gb.yaml")
+    wan = jobconfig.load(EXAMPLES / "train_lora_wan22_14b_24gb.yaml")
     assert wan.get("model.arch") == "wan22_14b"
     assert wan.accumulation_key == "train.gradient_accumulation"
 
 
 def test_set_by_path_keeps_comments_and_order(tmp_path):
-    job = jobconfig.load(REFERENCE / "aitk_train_lora_flux_24gb.yaml")
+    job = jobconfig.load(EXAMPLES / "train_lora_flux_24gb.yaml")
     job.set("datasets[*].resolution", [512, 768])
     job.set("train.batch_size", 2)
     job.set("sample.num_frames", 1)  # a key the file did not have
     out = job.write(tmp_path / "out.yaml", ["header line"])
     text = out.read_text()
     assert text.startswith("# header line\n---\n")
-    assert "resolution: [512, 768]" in text and "# flux enjoys multiple resolutions" in text
+    assert "resolution: [512, 768]" in text and "# three buckets: the largest decides the train peak" in text
     assert "batch_size: 2" in text
-    assert "# need the on unless you have a ton of vram" in text
+    assert "# recompute activations: slower, far lighter" in text
     again = jobconfig.load(out)
     assert again.get("datasets[0].resolution") == [512, 768]
     assert again.get("sample.num_frames") == 1

@@ -8,7 +8,7 @@ import pytest
 
 from fitfinder import models
 from fitfinder.errors import UserError
-from tests.conftest import DEMO, REFERENCE, cli_env, tiny_job
+from tests.conftest import DEMO, EXAMPLES, cli_env, tiny_job
 
 
 @pytest.mark.parametrize("changes, family", [
@@ -49,7 +49,7 @@ def test_an_unknown_family_is_one_clear_error_listing_the_known_ones():
 def test_the_wan22_reference_job_resolves_to_its_family_and_arch():
     from fitfinder import jobconfig
 
-    job = jobconfig.load(REFERENCE / "aitk_train_lora_wan22_14b_24gb.yaml")
+    job = jobconfig.load(EXAMPLES / "train_lora_wan22_14b_24gb.yaml")
     assert models.family_of(job) == "wan22"
     stem, arch = models.shipped_arch(job)
     assert stem == "wan22-14b" and arch["boundary_ratio"] == 0.875

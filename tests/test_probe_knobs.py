@@ -4,20 +4,20 @@ import pytest
 
 from fitfinder import jobconfig, probe
 from fitfinder.errors import ConfigError, UserError
-from tests.conftest import REFERENCE, tiny_job
+from tests.conftest import EXAMPLES, tiny_job
 
 GC_B1 = {"train.gradient_checkpointing": True, "train.batch_size": 1}
 
 
 # -- the request: what the probe is told, from the job file ----------------------------------------
 def _reference(name: str):
-    job = jobconfig.load(REFERENCE / name)
+    job = jobconfig.load(EXAMPLES / name)
     job.settings.weights = "random"  # the shipped architecture: nothing to download
     return job
 
 
 def test_the_flux_reference_job_reads_with_ai_toolkit_defaults():
-    request = probe.request_for(_reference("aitk_train_lora_flux_24gb.yaml"), 20, "sim", 24 * 2**30)
+    request = probe.request_for(_reference("train_lora_flux_24gb.yaml"), 20, "sim", 24 * 2**30)
     assert (request["model"]["family"], request["model"]["arch_name"]) == ("flux", "flux-dev")
     assert (request["quantize"], request["quantize_te"]) == (8, 8)  # qfloat8; quantize_te follows quantize
     assert request["dtype"] == "bf16" and request["optimizer"] == "adamw8bit"
@@ -31,7 +31,7 @@ def test_the_flux_reference_job_reads_with_ai_toolkit_defaults():
 
 
 def test_the_wan22_reference_job_resolves_to_two_experts_at_4_bit():
-    request = probe.request_for(_reference("aitk_train_lora_wan22_14b_24gb.yaml"), 20, "sim", 24 * 2**30)
+    request = probe.request_for(_reference("train_lora_wan22_14b_24gb.yaml"), 20, "sim", 24 * 2**30)
     model = request["model"]
     assert (model["family"], model["arch_name"]) == ("wan22", "wan22-14b")
     assert set(model["arch"]["parts"]) == {"transformer", "transformer_2", "text_encoder", "vae"}
