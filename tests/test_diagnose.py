@@ -159,7 +159,7 @@ def test_conservative_needs_every_setting_known_and_fails_on_any_known_heavy_one
 def test_the_table_rows_are_those_of_the_guides():
     assert [row.key for row in diagnose.ROWS.values()] == [
         "load", "text_encoder", "latents", "first_sample", "before_step_1", "steps_1_10", "sample", "later",
-        "intermittent", "environment"]
+        "intermittent", "environment", "host"]
     for row in diagnose.ROWS.values():
         assert set(row.levers) | set(row.video_levers or ()) <= set(diagnose.LEVERS)
 

@@ -21,9 +21,18 @@ EXPECTED = json.loads((LOGS / "expected.json").read_text(encoding="utf-8"))
 METADATA = ("source", "split", "phase_shown")
 
 
-@pytest.mark.parametrize("name", sorted(name for name in EXPECTED if "source" not in EXPECTED[name]))
+# Held-out logs the rules still get wrong, each with why: the held-out score in docs/diagnose.md counts
+# them as misses, and a rule written after seeing them would no longer be measured by them.
+HELDOUT_MISSES = {
+    "pytorch_checkpoint_backward_gpu1.log": "the excerpt starts inside the traceback, without its 'Traceback' "
+                                            "line, so its backward frames are not read as the OOM's traceback",
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.xfail(reason=HELDOUT_MISSES[name], strict=True))
+                                  if name in HELDOUT_MISSES else name for name in sorted(EXPECTED)])
 def test_log_is_diagnosed_exactly(name):
-    expected = EXPECTED[name]
+    expected = {key: value for key, value in EXPECTED[name].items() if key not in METADATA}
     answer = diagnose.diagnose(diagnose.read_log(LOGS / name), None, name).as_json()
     assert {key: answer[key] for key in expected} == expected
 
