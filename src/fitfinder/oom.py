@@ -157,7 +157,9 @@ _TRAIN_FUNCS = frozenset({"train", "train_model", "run_training", "training_loop
 _CACHE_SCRIPTS = ((re.compile(r"cache_text_encoder", re.IGNORECASE), "text_encoder"),
                   (re.compile(r"cache_latents", re.IGNORECASE), "latents"))
 # 'File "x.py", line 9, in f' (also after "[rank0]:" or a logger prefix), and rich's "│ x.py:9 in f │".
-_FRAME = re.compile(r'File "([^"\r\n]{1,1000})", line \d{1,9}, in (\S{1,200})|([^\s│"]{1,1000}\.py):\d{1,9} in (\w{1,200})')
+# Each alternative starts only at a literal or after a space, so a long line costs its length.
+_FRAME = re.compile(r'File "([^"\r\n]{1,1000})", line \d{1,9}, in (\S{1,200})'
+                    r'|(?:^|(?<=[\s│]))([^\s│"]{1,300}\.py):\d{1,9} in (\w{1,200})', re.MULTILINE)
 
 # -- where an OOM happened: what trainers print on entering a phase ----------------------------------
 # (lower-case substring, phase, where it comes from). Once training has started only the sample
@@ -507,7 +509,7 @@ def _traceback_end(records: list[tuple[int, str]], last: int, near: int = 15, re
         return last
     end = begin
     for index in range(begin + 1, min(len(records), begin + reach)):
-        if _bar(records[index][1]) or _TRACEBACK in records[index][1] or _is_oom_line(records[index][1]):
+        if _bar(records[index][1]) or _is_oom_line(records[index][1]):  # training went on, or another failure
             break
         end = index
     return end
