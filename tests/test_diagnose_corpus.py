@@ -41,6 +41,37 @@ def test_every_log_has_an_expected_diagnosis():
     assert sorted(path.name for path in LOGS.glob("*.log")) == sorted(EXPECTED)
 
 
+def _rows(names) -> set[str]:
+    return {diagnose.diagnose(diagnose.read_log(LOGS / name), None, name).row for name in names} - {None}
+
+
+def test_every_row_of_the_table_is_reached_by_a_log():
+    assert _rows(EXPECTED) == set(diagnose.ROWS)
+
+
+def test_the_rows_real_logs_reach_and_the_ones_only_format_excerpts_do():
+    # The real threads found for the other rows (kohya_ss#1441 caching latents, sd-scripts#1014 sampling,
+    # diffusers#11225 validation, musubi-tuner#450 after 2048 steps) are stored cut before their error
+    # line: those rows are reached only by the format excerpts (no "source") until a real log is found.
+    real = _rows(name for name in EXPECTED if "source" in EXPECTED[name])
+    assert real == {"load", "text_encoder", "before_step_1", "steps_1_10", "environment", "host"}
+    assert set(diagnose.ROWS) - real == {"latents", "first_sample", "sample", "later", "intermittent"}
+
+
+def test_the_real_logs_cover_the_trainers_and_failures_the_issue_names():
+    real = {name: EXPECTED[name] for name in EXPECTED if "source" in EXPECTED[name]}
+    sources = " ".join(entry["source"] for entry in real.values())
+    for repo in ("ostris/ai-toolkit", "kohya_ss", "kohya-ss/musubi-tuner", "bghira/SimpleTuner", "Nerogar/OneTrainer",
+                 "tdrussell/diffusion-pipe", "huggingface/diffusers", "fluxgym"):
+        assert repo in sources, repo
+    assert len(real) >= 40
+    assert {entry["kind"] for entry in real.values()} == {"config", "environment", "host", "not_oom"}
+    texts = {name: (LOGS / name).read_text(encoding="utf-8") for name in real}
+    for needle in ("Killed", "MemoryError", "is killed by", "CUBLAS_STATUS_ALLOC_FAILED", "total capacity;",
+                   "CUDNN_STATUS_NOT_INITIALIZED"):
+        assert any(needle in text for text in texts.values()), needle
+
+
 def test_the_corpus_covers_every_trainer_and_moment():
     answers = [EXPECTED[name] for name in EXPECTED if "source" not in EXPECTED[name]]
     assert {a["trainer"] for a in answers} == {"ai-toolkit", "kohya", "musubi", "diffusers", "pytorch"}

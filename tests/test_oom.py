@@ -180,8 +180,8 @@ DIGITS = "9" * 20_000
 
 
 @pytest.mark.parametrize("line", [
-    f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {DIGITS} GiB (GPU 0; {DIGITS} GiB total "
-    f"capacity; {DIGITS} GiB already allocated; {DIGITS} MiB free; {DIGITS} GiB reserved in total by PyTorch)",
+    (f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {DIGITS} GiB (GPU 0; {DIGITS} GiB total "
+     f"capacity; {DIGITS} GiB already allocated; {DIGITS} MiB free; {DIGITS} GiB reserved in total by PyTorch)"),
     f"steps:  {DIGITS}%|##| {DIGITS}/{DIGITS} [00:01<00:02, 1.0it/s, avr_loss=0.1]",
     f'File "{DIGITS}", line {DIGITS}, in {DIGITS}\ntorch.OutOfMemoryError: CUDA out of memory.',
     DIGITS, "x " + "A" * 20_000, "%" * 20_000, "[" * 20_000,

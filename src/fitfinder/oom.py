@@ -259,8 +259,7 @@ def classify(error: BaseException | str, conservative: bool = False,
     if not is_oom_type and marker is None and host is None:
         return Verdict(False, "not_oom", _message_line(text))
     if marker is None and host is not None:
-        return Verdict(True, "host", _message_line(text, host), host, phase=phase_of_frames(frames, files),
-                       reason="the machine's RAM ran out, not the card's")
+        return Verdict(True, "host", _message_line(text, host), host, phase=phase_of_frames(frames, files))
     numbers = _numbers(text)
     verdict = Verdict(True, "config", _message_line(text, marker), marker or "OutOfMemoryError",
                       phase=phase_of_frames(frames, files), **numbers)
