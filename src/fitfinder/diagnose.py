@@ -9,7 +9,8 @@ first step of the guides' rollback order for that moment that the job has not ta
 Environment or config: a conservative configuration (batch 1, checkpointing on, buckets up to
 768, at most 33 frames) that still finds nothing free, or gets CUBLAS_STATUS_ALLOC_FAILED, before
 training really starts is a card or worker that is not clean: relaunching or changing the job
-will not help.
+will not help. Host: the machine's RAM ran out, not the card's; its changes are about RAM (cache to
+disk, fewer data-loader workers, swap), never a GPU setting.
 """
 
 from __future__ import annotations

@@ -12,9 +12,12 @@ nothing in the text says.
 
 Two ways in:
 - `classify(exception_or_text)`: one failure (the probe calls it on the exception it caught).
-- `scan_log(text)`: a whole training log (AI Toolkit, kohya sd-scripts, musubi-tuner, diffusers
-  example scripts, plain PyTorch), walked line by line: every OOM in it with its phase and the
-  training step that was running, and whether training went on after it.
+- `scan_log(text)`: a whole training log (AI Toolkit, kohya sd-scripts, musubi-tuner, SimpleTuner,
+  OneTrainer, diffusion-pipe, diffusers example scripts, plain PyTorch), walked line by line: every
+  OOM in it with its phase (from the traceback's frames first, then the progress lines before it)
+  and the training step that was running, and whether training went on after it.
+
+Every pattern is bounded, so a log costs what its length costs (a 20,000-digit line included).
 """
 
 from __future__ import annotations
