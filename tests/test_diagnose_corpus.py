@@ -6,6 +6,7 @@ PyTorch print; tests/logs/expected.json holds what `fitfinder diagnose` must ans
 """
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,11 @@ def test_the_corpus_covers_every_trainer_and_moment():
     assert {a["phase"] for a in answers if a["oom"]} == {"load", "text_encoder", "latents", "sample", "train"}
     assert {a["kind"] for a in answers} >= {"config", "environment", "not_oom"}
     assert len(answers) >= 15
+
+
+def test_the_held_out_third_is_the_seeded_draw_made_before_the_rules():
+    # benchmarks/diagnose_heldout.py draws it the same way and refuses a split that differs.
+    real = sorted(name for name in EXPECTED if "source" in EXPECTED[name])
+    drawn = set(random.Random(19).sample(real, -(-len(real) // 3)))
+    assert {name for name in real if EXPECTED[name]["split"] == "heldout"} == drawn
+    assert {EXPECTED[name]["split"] for name in real} == {"train", "heldout"} and len(drawn) == 14
