@@ -264,6 +264,20 @@ def _apply_smaller_sample(job) -> list[Change]:
             for key in ("sample.width", "sample.height") if int(job.get(key)) > 512]
 
 
+def _apply_cache_to_disk(job) -> list[Change]:
+    return [(f"datasets[{i}].cache_latents_to_disk", bool(v), True)
+            for i, v in enumerate(job.get("datasets[*].cache_latents_to_disk")) if not v]
+
+
+def _apply_fewer_workers(job) -> list[Change]:
+    return [(f"datasets[{i}].num_workers", int(w), 0)
+            for i, w in enumerate(job.get("datasets[*].num_workers", AITK_NUM_WORKERS)) if int(w) > 0]
+
+
+def _no_job_key(job) -> list[Change]:
+    return []
+
+
 LEVERS: dict[str, Lever] = {lever.name: lever for lever in (
     Lever("checkpointing", "turn gradient checkpointing on",
           {"ai-toolkit": "train.gradient_checkpointing: true", "kohya": "--gradient_checkpointing",
@@ -302,25 +316,7 @@ LEVERS: dict[str, Lever] = {lever.name: lever for lever in (
           {"ai-toolkit": "sample.width / sample.height / sample.num_frames", "kohya": "--w / --h in the prompt file",
            "musubi": "--w / --h / --f in the prompt file"},
           lambda s: _sample_small(s), _apply_smaller_sample),
-)}
-
-
-def _apply_cache_to_disk(job) -> list[Change]:
-    return [(f"datasets[{i}].cache_latents_to_disk", bool(v), True)
-            for i, v in enumerate(job.get("datasets[*].cache_latents_to_disk")) if not v]
-
-
-def _apply_fewer_workers(job) -> list[Change]:
-    return [(f"datasets[{i}].num_workers", int(w), 0)
-            for i, w in enumerate(job.get("datasets[*].num_workers", AITK_NUM_WORKERS)) if int(w) > 0]
-
-
-def _no_job_key(job) -> list[Change]:
-    return []
-
-
-# For host RAM only; none of them is a GPU setting (offloading to RAM would make it worse).
-LEVERS.update({lever.name: lever for lever in (
+    # For host RAM only; none of them is a GPU setting (offloading weights to RAM would make it worse).
     Lever("cache_to_disk", "cache latents to disk instead of holding them in system RAM",
           {"ai-toolkit": "datasets[].cache_latents_to_disk: true", "kohya": "--cache_latents_to_disk",
            "musubi": "cache_latents.py writes its cache to disk: run it before training",
@@ -333,7 +329,7 @@ LEVERS.update({lever.name: lever for lever in (
           lambda s: None if s.workers is None else s.workers == 0, _apply_fewer_workers),
     Lever("more_swap", "add swap space or system RAM (close what else uses it): the machine ran out, not the card",
           {}, lambda s: None, _no_job_key),
-)})
+)}
 
 
 def _sample_small(settings: Settings) -> bool | None:
