@@ -93,3 +93,20 @@ def test_bad_input_is_one_line_and_exit_2(folder, args, expected):
     assert len(lines) == 1 and expected in lines[0], result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""
     assert (folder / "job.yaml").read_text() == JOB and not (folder / "fixed.yaml").exists()
+
+
+def test_a_log_it_cannot_place_says_which_line(tmp_path):
+    shutil.copy(LOGS / "kohya_ss_flux_l40s_start.log", tmp_path / "train.log")
+    result = run_cli("diagnose", "train.log", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "  kind: config    when: before step 1    phase: unknown\n  phase not placed: line 1 (" in result.stdout
+    answer = _json(run_cli("diagnose", "train.log", "--json", cwd=tmp_path))
+    assert answer["phase"] == "unknown" and answer["unplaced"].startswith('line 1 ("torch.cuda.OutOfMemoryError')
+
+
+def test_host_ram_for_people(tmp_path):
+    shutil.copy(LOGS / "aitk_oom_killer_dmesg.log", tmp_path / "dmesg.log")  # ai-toolkit#787
+    result = run_cli("diagnose", "dmesg.log", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "  OOM at line 1: Out of memory: Killed process 1067104 (python)\n  kind: host    " in result.stdout
+    assert "  first change: cache latents to disk instead of holding them in system RAM" in result.stdout

@@ -159,7 +159,7 @@ def test_conservative_needs_every_setting_known_and_fails_on_any_known_heavy_one
 def test_the_table_rows_are_those_of_the_guides():
     assert [row.key for row in diagnose.ROWS.values()] == [
         "load", "text_encoder", "latents", "first_sample", "before_step_1", "steps_1_10", "sample", "later",
-        "intermittent", "environment"]
+        "intermittent", "environment", "host"]
     for row in diagnose.ROWS.values():
         assert set(row.levers) | set(row.video_levers or ()) <= set(diagnose.LEVERS)
 
@@ -168,3 +168,51 @@ def test_the_documented_table_is_the_one_in_the_code():
     table = (Path(__file__).parents[1] / "docs" / "diagnose.md").read_text()
     for row in diagnose.ROWS.values():
         assert f"| {row.cause} |" in table, row.key
+
+
+# -- the machine's RAM ----------------------------------------------------------------------------------
+HOST_LOG = "onetrainer_save_memoryerror.log"  # OneTrainer#835: MemoryError saving, RAM and pagefile full
+
+
+def test_host_ram_is_answered_with_ram_changes_never_a_gpu_setting():
+    answer = _diagnose(HOST_LOG)
+    assert (answer.kind, answer.row, answer.lever) == ("host", "host", "cache_to_disk")
+    assert answer.first_change.startswith("cache latents to disk instead of holding them in system RAM")
+    gpu_levers = {lever for row in diagnose.ROWS.values() if row.key != "host"
+                  for lever in row.levers + (row.video_levers or ())}
+    assert set(diagnose.ROWS["host"].levers) == {"cache_to_disk", "fewer_workers", "more_swap"}
+    assert not set(diagnose.ROWS["host"].levers) & gpu_levers
+
+
+@pytest.mark.parametrize("edits, lever, changes", [
+    ({}, "cache_to_disk", [("datasets[0].cache_latents_to_disk", False, True)]),
+    ({"resolution: [512, 768, 1024]   # buckets": "resolution: [512, 768, 1024]\n          cache_latents_to_disk: true"},
+     "fewer_workers", [("datasets[0].num_workers", 2, 0)]),  # AI Toolkit's default is 2 workers
+    ({"resolution: [512, 768, 1024]   # buckets":
+      "resolution: [512, 768, 1024]\n          cache_latents_to_disk: true\n          num_workers: 0"},
+     "more_swap", []),
+], ids=["cache to disk first", "then no data-loader workers", "then swap: no job key to change"])
+def test_host_walks_its_own_order_on_a_job(tmp_path, edits, lever, changes):
+    answer = _diagnose(HOST_LOG, _job(tmp_path, **edits))
+    assert (answer.row, answer.lever, answer.changes) == ("host", lever, changes)
+
+
+def test_flags_in_the_log_decide_the_host_levers():
+    text = (LOGS / HOST_LOG).read_text() + "\n--cache_latents_to_disk --max_data_loader_n_workers 8\n"
+    answer = diagnose.diagnose(text, None, "x.log")
+    assert (answer.lever, answer.first_change) == (
+        "fewer_workers", "fewer data-loader workers: each holds its own copy of what it loads in RAM "
+        "(dataloader threads: 1)")
+
+
+# -- a log the rules cannot place ------------------------------------------------------------------------
+def test_an_unplaced_oom_says_which_line_and_what_was_looked_at():
+    bare = _diagnose("kohya_ss_flux_l40s_start.log")  # kohya_ss#2724: the message alone
+    assert (bare.phase, bare.unplaced) == ("unknown", (
+        'line 1 ("torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 18.00 MiB. GPU 0 has a total '
+        'capacty of 44.53 GiB of which 15.25 MiB is free. Including no..."): no traceback frame around it, and no '
+        "progress line before it names a phase (loading, caching, sampling, a training bar)"))
+    framed = _diagnose("xflux_deepspeed_sigkill.log")  # x-flux#55: the launcher's traceback only
+    assert framed.unplaced.startswith('line 1 ("E0818 12:39:45.949000') and \
+        "none of the 6 traceback frames around it names a phase's work" in framed.unplaced
+    assert _diagnose("aitk_flux2_quantizing_mistral.log").unplaced is None  # placed: no explanation

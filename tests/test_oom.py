@@ -1,5 +1,7 @@
 """The one OOM classifier: exceptions and log text -> OOM or not, config or environment, and where."""
 
+import time
+
 import pytest
 
 from fitfinder import oom
@@ -107,9 +109,88 @@ def test_anything_else_is_not_an_oom():
     (["train", "backward", "_engine_run_backward"], "train"),
     (["run", "load_model", "quantize_model", "to"], "load"),
     (["main", "forward", "linear"], None),
+    (["train", "cache_text_encoder_outputs_if_needed", "to", "_apply"], "text_encoder"),  # whose weights moved
+    (["<module>", "cuda", "_apply", "<lambda>"], "load"),  # model.cuda() in a plain script
+    (["start", "setup_train_device", "transformer_to", "to", "_apply", "convert"], "load"),  # OneTrainer
+    (["main", "enable_block_swap", "prepare_block_swap_training", "weights_to_device"], "load"),  # diffusion-pipe
+    (["main", "train", "train_step", "get_loss_dict", "forward"], "train"),
+    (["main", "new_cache_latents", "submit_batch", "cache_batch_latents", "encode"], "latents"),
 ])
 def test_the_phase_a_traceback_names(frames, phase):
     assert oom.phase_of_frames(frames) == phase
+
+
+@pytest.mark.parametrize("frames, files, phase", [
+    # A forward under a training script's function is a training step; at module level it says nothing.
+    (["<module>", "main", "__call__", "forward"], ["train.py", "train.py", "module.py", "model.py"], "train"),
+    (["<module>", "_cuda", "handler"], ["train.py", "_utils.py", "dataloader.py"], None),
+    # A process that only caches: its script names the phase, whatever it was loading.
+    (["<module>", "main", "load_ideogram4_text_encoder", "_prepare_qwen3_vl_fp8_state_dict"],
+     [r"E:\musubi-tuner\ideogram4_cache_text_encoder_outputs.py", "x.py", "utils.py", "utils.py"], "text_encoder"),
+    (["<module>", "main", "encode_datasets", "encode"], ["cache_latents.py", "cache_latents.py", "x.py", "vae.py"],
+     "latents"),
+])
+def test_the_phase_from_the_files_of_the_frames(frames, files, phase):
+    assert oom.phase_of_frames(frames, files) == phase
+
+
+def test_frames_are_read_from_every_traceback_format():
+    text = "\n".join([
+        '  File "/x/train.py", line 9, in main',
+        '[rank0]:   File "/x/engine.py", line 389, in train_batch',
+        '[2024-09-18 08:19:51] [INFO] File "C:\\x\\runpy.py", line 86, in _run_code',
+        "│ C:\\kohya_ss\\train_network.py:252 in train                      │",
+    ])
+    assert oom.frames_of_text(text) == (["main", "train_batch", "_run_code", "train"],
+                                        ["/x/train.py", "/x/engine.py", "C:\\x\\runpy.py",
+                                         "C:\\kohya_ss\\train_network.py"])
+
+
+# -- the machine's RAM ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("text", [
+    "[Tue Apr 14 16:07:00 2026] Out of memory: Killed process 1067104 (python)",
+    "Memory cgroup out of memory: oom-kill:constraint=CONSTRAINT_MEMCG",
+    "loaded partially: 20160.00 MB loaded, lowvram patches: 0\nKilled",
+    "MemoryError\nCould not save model. Check your disk space!",
+    "RuntimeError: DataLoader worker (pid 19597) is killed by signal: Killed.",
+    "failed (exitcode: -9) local_rank: 0 (pid: 7522) of binary: /venv/bin/python3.12",
+    "subprocess.CalledProcessError: Command '['python', 'train.py']' died with <Signals.SIGKILL: 9>.",
+])
+def test_system_ram_running_out_is_a_host_oom(text):
+    verdict = oom.classify(text)
+    assert (verdict.is_oom, verdict.kind) == (True, "host")
+
+
+@pytest.mark.parametrize("text", [
+    "RuntimeError: DataLoader worker (pid 25902) is killed by signal: Segmentation fault.",
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB.",  # the card, not the host
+    "Killed 3 zombie processes",
+])
+def test_what_is_not_the_host_running_out(text):
+    assert oom.classify(text).kind != "host"
+
+
+def test_an_exception_keeps_its_classification_host_ram_is_read_from_logs_only():
+    # A probe's own MemoryError is reported as the error it is: the search prunes GPU settings on OOMs.
+    assert oom.classify(MemoryError("Unable to allocate 4.00 GiB")).kind == "not_oom"
+
+
+# -- a long line costs its length ------------------------------------------------------------------------
+DIGITS = "9" * 20_000
+
+
+@pytest.mark.parametrize("line", [
+    (f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {DIGITS} GiB (GPU 0; {DIGITS} GiB total "
+     f"capacity; {DIGITS} GiB already allocated; {DIGITS} MiB free; {DIGITS} GiB reserved in total by PyTorch)"),
+    f"steps:  {DIGITS}%|##| {DIGITS}/{DIGITS} [00:01<00:02, 1.0it/s, avr_loss=0.1]",
+    f'File "{DIGITS}", line {DIGITS}, in {DIGITS}\ntorch.OutOfMemoryError: CUDA out of memory.',
+    DIGITS, "x " + "A" * 20_000, "%" * 20_000, "[" * 20_000,
+], ids=["oom-message", "progress-bar", "frame", "digits", "word", "percents", "brackets"])
+def test_a_20000_digit_line_is_read_in_linear_time(line):
+    # Unbounded regexes took 6.6 s on the message and 28 s on the bar at this length (quadratic); now ~0.1 s.
+    started = time.perf_counter()
+    oom.scan_log(line + "\n")
+    assert time.perf_counter() - started < 1.5
 
 
 # -- whole logs ------------------------------------------------------------------------------------------
@@ -155,3 +236,39 @@ def test_a_log_without_an_oom_points_to_the_error_that_is_there():
     ])
     scan = oom.scan_log(log)
     assert (scan.events, scan.last_error, scan.last_error_line) == ((), "KeyError: 'text_encoder_2'", 3)
+
+
+# -- progress lines of other trainers ---------------------------------------------------------------------
+@pytest.mark.parametrize("bar, step", [
+    ("step:  40%|████      | 10/25 [00:20<00:30,  2.0s/it, loss=0.1, smooth loss=0.09]", 11),  # OneTrainer
+    ("Epoch 0:  29% 1034/3597 [51:02<2:06:30,  2.96s/it]", 1035),  # PyTorch Lightning, no bar (Colab)
+    ("Epoch 1/134 - steps:   0%|          | 0/1600 [00:00<?, ?it/s]", 1),  # ComfyUI-FluxTrainer
+    ("Train (loss 63.31) epoch 1:   3%|██        | 1/29 [00:23<11:10, 23.93s/it]", 2),  # a plain loop
+    ("steps:   0% 0/2300 [00:01<?, ?it/s]", 1),  # kohya in Colab: no bar characters
+    ("Loading checkpoint shards: 100%|##########| 3/3 [00:02<00:00,  1.31it/s]", None),
+    ("Generating Images:   0%|          | 0/1 [00:00<?, ?it/s]", None),
+    ("Valid (loss 53.34) epoch 1:   9%|██        | 1/11 [00:01<00:13,  1.33s/it]", None),
+    (" 19%|█████████▉        | 14/74 [00:05<00:23,  2.57it/s]", None),  # caching latents: no name, no loss
+])
+def test_the_training_bars_of_other_trainers(bar, step):
+    [event] = oom.scan_log(f"{bar}\n{NEW}\n").events
+    assert event.step == step
+
+
+def test_a_bar_redrawn_right_after_the_oom_gives_the_step_it_died_in():
+    log = f"{NEW}\nsteps:   0% 0/2300 [00:01<?, ?it/s]\nTraceback (most recent call last):\n"
+    [event] = oom.scan_log(log).events
+    assert (event.phase, event.step, event.recovered) == ("train", 1, False)
+
+
+def test_the_traceback_printed_after_the_message_is_read():
+    log = "\n".join([
+        "Error running job: CUDA error: out of memory",
+        "========================================",
+        "Traceback (most recent call last):",
+        '  File "/ai-toolkit/run.py", line 96, in main',
+        '  File "/ai-toolkit/toolkit/models/wan21/wan21.py", line 377, in load_wan_transformer',
+        '  File "/ai-toolkit/toolkit/util/quantize.py", line 308, in quantize_model',
+    ])
+    [event] = oom.scan_log(log).events
+    assert (event.phase, event.frames) == ("load", 3)

@@ -9,7 +9,8 @@ first step of the guides' rollback order for that moment that the job has not ta
 Environment or config: a conservative configuration (batch 1, checkpointing on, buckets up to
 768, at most 33 frames) that still finds nothing free, or gets CUBLAS_STATUS_ALLOC_FAILED, before
 training really starts is a card or worker that is not clean: relaunching or changing the job
-will not help.
+will not help. Host: the machine's RAM ran out, not the card's; its changes are about RAM (cache to
+disk, fewer data-loader workers, swap), never a GPU setting.
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ ROWS: dict[str, Row] = {row.key: row for row in (
         ("frames", "bucket", "checkpointing", "batch", "quantize", "low_vram")),
     Row("environment", "a conservative configuration fails at once, or the card was occupied",
         "the card or the worker is not clean", ()),
+    Row("host", "whenever the machine's RAM runs out (OOM killer, MemoryError, a data-loader worker killed)",
+        "system RAM, not the card, ran out: cached latents, data-loader workers or offloaded weights held in RAM",
+        ("cache_to_disk", "fewer_workers", "more_swap")),
 )}
 ENVIRONMENT_ADVICE = ("do not relaunch: run nvidia-smi and stop what else holds the card, or start again on "
                       "a clean worker; if this same configuration ran before, report the worker")
@@ -100,6 +104,8 @@ class Settings:
     sampling_off: bool | None = None
     sample_size: tuple[int, int] | None = None
     sample_frames: int | None = None
+    cache_to_disk: bool | None = None  # latents cached to disk, not held in RAM
+    workers: int | None = None  # data-loader workers
 
     @property
     def video(self) -> bool:
@@ -129,7 +135,14 @@ def settings_of_job(job, source: str = "job") -> Settings:
         sampling_off=bool(job.get("train.disable_sampling")),
         sample_size=(int(job.get("sample.width")), int(job.get("sample.height"))),
         sample_frames=int(job.get("sample.num_frames")),
+        cache_to_disk=all(bool(v) for v in job.get("datasets[*].cache_latents_to_disk")),
+        workers=max((int(w) for w in job.get("datasets[*].num_workers", AITK_NUM_WORKERS)), default=None),
     )
+
+
+# AI Toolkit's DatasetConfig default for `num_workers` (toolkit/config_modules.py), which the job
+# defaults this project keeps do not carry.
+AITK_NUM_WORKERS = 2
 
 
 # (pattern, setting, where it comes from). The last match wins, except buckets and frames: the largest.
@@ -147,10 +160,14 @@ LOG_SETTINGS: tuple[tuple[str, str, str], ...] = (
     (r"(--cache_text_encoder_outputs)\b", "cache_text", "a command line (kohya sd-scripts)"),
     (r"(--fp8_base)\b", "quantize", "a command line (kohya sd-scripts, musubi-tuner)"),
     (r"(--blocks_to_swap)\b", "low_vram", "a command line (kohya sd-scripts, musubi-tuner)"),
+    (r"(--cache_latents_to_disk)\b", "cache_to_disk", "a command line (kohya sd-scripts)"),
+    (r"--(?:max_data_loader_n_workers|dataloader_num_workers)[= ]\"?(\d+)", "workers",
+     "a command line (kohya sd-scripts and musubi-tuner; diffusers examples)"),
     (r"^[^\"]*\bwidth: (\d+)", "sample_width", "kohya sd-scripts, for each sample prompt"),
     (r"^[^\"]*\bheight: (\d+)", "sample_height", "kohya sd-scripts, for each sample prompt"),
 )
-_FLAGS = ("--gradient_checkpointing", "--cache_text_encoder_outputs", "--fp8_base", "--blocks_to_swap")
+_FLAGS = ("--gradient_checkpointing", "--cache_text_encoder_outputs", "--fp8_base", "--blocks_to_swap",
+          "--cache_latents_to_disk")
 
 
 def settings_of_log(text: str) -> Settings:
@@ -169,6 +186,8 @@ def settings_of_log(text: str) -> Settings:
             settings.buckets = sorted(set(values))
         elif name == "frames":
             settings.frames = max(values)
+        elif name == "cache_to_disk":
+            settings.cache_to_disk = True
         elif name not in ("sample_width", "sample_height"):
             setattr(settings, name, values[-1])
     if "sample_width" in found and "sample_height" in found:
@@ -245,6 +264,20 @@ def _apply_smaller_sample(job) -> list[Change]:
             for key in ("sample.width", "sample.height") if int(job.get(key)) > 512]
 
 
+def _apply_cache_to_disk(job) -> list[Change]:
+    return [(f"datasets[{i}].cache_latents_to_disk", bool(v), True)
+            for i, v in enumerate(job.get("datasets[*].cache_latents_to_disk")) if not v]
+
+
+def _apply_fewer_workers(job) -> list[Change]:
+    return [(f"datasets[{i}].num_workers", int(w), 0)
+            for i, w in enumerate(job.get("datasets[*].num_workers", AITK_NUM_WORKERS)) if int(w) > 0]
+
+
+def _no_job_key(job) -> list[Change]:
+    return []
+
+
 LEVERS: dict[str, Lever] = {lever.name: lever for lever in (
     Lever("checkpointing", "turn gradient checkpointing on",
           {"ai-toolkit": "train.gradient_checkpointing: true", "kohya": "--gradient_checkpointing",
@@ -283,6 +316,19 @@ LEVERS: dict[str, Lever] = {lever.name: lever for lever in (
           {"ai-toolkit": "sample.width / sample.height / sample.num_frames", "kohya": "--w / --h in the prompt file",
            "musubi": "--w / --h / --f in the prompt file"},
           lambda s: _sample_small(s), _apply_smaller_sample),
+    # For host RAM only; none of them is a GPU setting (offloading weights to RAM would make it worse).
+    Lever("cache_to_disk", "cache latents to disk instead of holding them in system RAM",
+          {"ai-toolkit": "datasets[].cache_latents_to_disk: true", "kohya": "--cache_latents_to_disk",
+           "musubi": "cache_latents.py writes its cache to disk: run it before training",
+           "onetrainer": "latent caching to disk (the cache directory)", "diffusers": "precompute latents to disk"},
+          lambda s: s.cache_to_disk, _apply_cache_to_disk),
+    Lever("fewer_workers", "fewer data-loader workers: each holds its own copy of what it loads in RAM",
+          {"ai-toolkit": "datasets[].num_workers: 0", "kohya": "--max_data_loader_n_workers 0",
+           "musubi": "--max_data_loader_n_workers 0", "diffusers": "--dataloader_num_workers=0",
+           "onetrainer": "dataloader threads: 1"},
+          lambda s: None if s.workers is None else s.workers == 0, _apply_fewer_workers),
+    Lever("more_swap", "add swap space or system RAM (close what else uses it): the machine ran out, not the card",
+          {}, lambda s: None, _no_job_key),
 )}
 
 
@@ -316,6 +362,7 @@ class Diagnosis:
     error: str | None = None
     error_line: int | None = None
     changes: list[Change] = field(default_factory=list)
+    unplaced: str | None = None  # why the phase is "unknown": the line it could not place
     written: str | None = None
     next_step: str | None = None
     notes: list[str] = field(default_factory=list)
@@ -328,6 +375,7 @@ class Diagnosis:
             "reason": self.reason, "trainer": self.trainer, "message": self.message, "line": self.line,
             "tried_bytes": self.tried_bytes, "free_bytes": self.free_bytes, "total_bytes": self.total_bytes,
             "events": self.events, "error": self.error, "error_line": self.error_line,
+            "unplaced": self.unplaced,
             "changes": [{"key": key, "old": old, "new": new} for key, old, new in self.changes],
             "written": self.written, "next": self.next_step, "notes": self.notes,
         }
@@ -341,6 +389,8 @@ class Diagnosis:
             return [head, "  not an out-of-memory failure", f"  {found}", f"  first change: {self.first_change}"]
         out = [head, f"  OOM at line {self.line}: {_shorten(self.message)}",
                f"  kind: {self.kind}    when: {self.when_text()}    phase: {self.phase}"]
+        if self.unplaced:
+            out.append(f"  phase not placed: {self.unplaced}")
         memory = _memory_text(self)
         if memory:
             out.append(f"  memory: {memory}")
@@ -363,14 +413,20 @@ class Diagnosis:
 WHEN_TEXT = {"before_step_1": "before step 1", "sample": "while sampling", "steps_1_10": "in steps 1-10",
              "later": "after step 10", "unknown": "during training (step not in the log)"}
 TRAINER_NAMES = {"ai-toolkit": "AI Toolkit", "kohya": "kohya sd-scripts", "musubi": "musubi-tuner",
-                 "diffusers": "diffusers example script", "pytorch": "PyTorch"}
+                 "diffusers": "diffusers example script", "onetrainer": "OneTrainer", "simpletuner": "SimpleTuner",
+                 "diffusion-pipe": "diffusion-pipe", "pytorch": "PyTorch"}
 # (trainer, strings only its logs carry, where they come from). musubi-tuner before kohya: it
 # prints kohya's bilingual lines too.
 TRAINER_MARKERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("ai-toolkit", ("# Running job:", "Error running job:", "OOM during training step", "BaseSDTrainProcess",
                     "Generating baseline samples"), "ostris/ai-toolkit run.py and jobs/process"),
     ("musubi", ("musubi_tuner", "hv_train_network", "wan_train_network"), "kohya-ss/musubi-tuner module names"),
-    ("kohya", ("train_network.py", "学習開始", "train_util.py"), "kohya-ss/sd-scripts scripts and messages"),
+    ("onetrainer", ("OneTrainer", "GenericTrainer", "modules/modelSetup", "modules\\modelSetup"),
+     "Nerogar/OneTrainer paths and classes"),
+    ("simpletuner", ("SimpleTuner", "simpletuner", "helpers/training/trainer.py"), "bghira/SimpleTuner paths"),
+    ("diffusion-pipe", ("diffusion-pipe", "deepspeed/runtime/pipe"), "tdrussell/diffusion-pipe on DeepSpeed's pipeline"),
+    ("kohya", ("train_network.py", "学習開始", "train_util.py", "sd-scripts", "kohya_ss"),
+     "kohya-ss/sd-scripts scripts and messages, and the folders of its kohya_ss GUI"),
     ("diffusers", ("***** Running training *****", "Running validation...", "train_dreambooth",
                    "train_text_to_image"), "huggingface/diffusers examples/"),
 )
@@ -405,6 +461,7 @@ def diagnose(text: str, job=None, log_name: str = "log") -> Diagnosis:
         reason=verdict.reason, message=verdict.message, line=event.line, tried_bytes=verdict.tried_bytes,
         free_bytes=verdict.free_bytes, total_bytes=verdict.total_bytes, events=len(scan.events))
     diagnosis.row = _row(verdict.kind, event, intermittent)
+    diagnosis.unplaced = _unplaced(event) if event.phase == "unknown" else None
     row = ROWS[diagnosis.row]
     diagnosis.cause = (row.video_cause if settings.video else None) or row.cause
     _choose_first_change(diagnosis, row, settings, editable)
@@ -422,9 +479,18 @@ def _when(event: oom.OomEvent, intermittent: bool) -> str:
     return "steps_1_10" if event.step <= EARLY_STEPS else "later"
 
 
+def _unplaced(event: oom.OomEvent) -> str:
+    """Which line could not be placed in a phase, and what was looked at."""
+    line = _shorten(event.verdict.message, 160)
+    frames = (f"none of the {event.frames} traceback frames around it names a phase's work"
+              if event.frames else "no traceback frame around it")
+    return (f'line {event.line} ("{line}"): {frames}, and no progress line before it names a phase '
+            "(loading, caching, sampling, a training bar)")
+
+
 def _row(kind: str, event: oom.OomEvent, intermittent: bool) -> str:
-    if kind == "environment":
-        return "environment"
+    if kind in ("environment", "host"):
+        return kind
     if event.phase == "sample":
         return "first_sample" if event.step is None else "sample"
     if event.phase in ("load", "text_encoder", "latents"):
@@ -452,11 +518,11 @@ def _choose_first_change(diagnosis: Diagnosis, row: Row, settings: Settings, job
         return
     first = open_levers[0]
     diagnosis.lever = first.name
-    if job is not None:  # a job file, or the config AI Toolkit echoed into the log
+    if job is not None and first.apply(job):  # a job file, or the config AI Toolkit echoed into the log
         diagnosis.changes = first.apply(job)
         diagnosis.first_change = f"{first.text} (" + "; ".join(
             f"{key}: {_yaml(old)} -> {_yaml(new)}" for key, old, new in diagnosis.changes) + ")"
-    else:
+    else:  # no job, or a change no job key makes (swap)
         diagnosis.first_change = _lever_text(first, settings, diagnosis.trainer)
         if first.state(settings) is None and len(open_levers) > 1:
             diagnosis.first_change += "; if that is already so: " + _lever_text(open_levers[1], settings,

@@ -5,14 +5,19 @@ known here says where it comes from.
 
 `kind` is "config" (this configuration needs more memory than the card has), "environment" (the
 card or worker was not clean: nothing was free even for a conservative configuration, or memory
-was held outside this process), or "not_oom". `phase` is where the memory ran out: "load",
-"text_encoder", "latents", "sample", "train", or None when nothing in the text says.
+was held outside this process), "host" (the machine's RAM ran out, not the card's: the kernel's OOM
+killer, a MemoryError, a data-loader worker killed; read from log text only) or "not_oom". `phase`
+is where the memory ran out: "load", "text_encoder", "latents", "sample", "train", or None when
+nothing in the text says.
 
 Two ways in:
 - `classify(exception_or_text)`: one failure (the probe calls it on the exception it caught).
-- `scan_log(text)`: a whole training log (AI Toolkit, kohya sd-scripts, musubi-tuner, diffusers
-  example scripts, plain PyTorch), walked line by line: every OOM in it with its phase and the
-  training step that was running, and whether training went on after it.
+- `scan_log(text)`: a whole training log (AI Toolkit, kohya sd-scripts, musubi-tuner, SimpleTuner,
+  OneTrainer, diffusion-pipe, diffusers example scripts, plain PyTorch), walked line by line: every
+  OOM in it with its phase (from the traceback's frames first, then the progress lines before it)
+  and the training step that was running, and whether training went on after it.
+
+Every pattern is bounded, so a log costs what its length costs (a 20,000-digit line included).
 """
 
 from __future__ import annotations
@@ -42,7 +47,27 @@ OOM_MARKERS: tuple[tuple[str, str], ...] = (
     ("OOM during training step, skipping batch", "AI Toolkit caught an OOM in a step and skipped the batch"),
     ("torch.OutOfMemoryError", "a traceback naming PyTorch's OOM exception"),
     ("torch.cuda.OutOfMemoryError", "the same exception under its name before PyTorch 2.3"),
+    ("CUDA driver error: out of memory", "c10's CUDA driver-API check (cuMemCreate/cuMemMap under expandable segments)"),
+    ("cuda runtime error (2) : out of memory", "PyTorch < 0.4 (THC), the exception line: loop#36, pytorch#958"),
+    ("error=2 : out of memory", "PyTorch < 0.4 (THC), its 'THCudaCheck FAIL ... error=2 : out of memory' line"),
+    ("Allocation on device", "torch.OutOfMemoryError under the cudaMallocAsync backend (ComfyUI and trainers in it)"),
+    ("memory mapping failed with OOM",
+     "CUDACachingAllocator's expandable_segments warning before a compiled kernel fails (SimpleTuner#3176)"),
+    ("CUDNN_STATUS_NOT_INITIALIZED", "cuDNN cannot create its handle on a full card (LLaVA#392, Info-HCVAE#7)"),
 )
+# The machine's RAM, not the card's (read from log text only: a probe's own exceptions keep their
+# classification, and the search never prunes a GPU setting for them).
+HOST_MARKERS: tuple[tuple[str, str], ...] = (
+    ("Out of memory: Killed process", "the kernel's OOM killer in dmesg (ai-toolkit#787)"),
+    ("oom-kill", "the kernel's OOM killer, cgroup form ('oom-kill:constraint=...')"),
+    ("(exitcode: -9)", "torch.distributed.elastic: a rank died of SIGKILL, the OOM killer's signal (x-flux#55)"),
+    ("exit status -9", "subprocess.CalledProcessError of a child killed by SIGKILL"),
+    ("<Signals.SIGKILL: 9>", "subprocess / accelerate launcher: a child killed by SIGKILL"),
+)
+# A line that is "Killed" alone (the shell reporting the OOM killer), a MemoryError (Python ran out of
+# RAM: OneTrainer#835), a DataLoader worker killed by a signal other than a crash.
+_HOST_LINE = re.compile(r"^\s*Killed\s*$|(?<![A-Za-z.])MemoryError\b|DataLoader worker \(pid \d{1,10}\) is killed by"
+                        r"(?! signal: (?:Segmentation|Terminated|Aborted|Bus|Floating))", re.MULTILINE)
 # AI Toolkit's marker for an OOM it survived: the step is skipped and training goes on.
 SKIPPED_MARKER = "OOM during training step, skipping batch"
 # Markers that mean nothing at all was free: a dirty card when the configuration is conservative.
@@ -53,7 +78,8 @@ ENVIRONMENT_MARKERS: tuple[tuple[str, str], ...] = (
 )
 
 # -- the numbers in PyTorch's OOM message ------------------------------------------------------------
-_SIZE = r"[0-9]+(?:\.[0-9]+)? ?(?:bytes|[KMGTP]iB|B)"
+# Bounded, and never started inside a run of digits: a 20,000-digit number on one line stays linear.
+_SIZE = r"(?<![0-9.])[0-9]{1,15}(?:\.[0-9]{1,6})? ?(?:bytes|[KMGTP]iB|B)"
 _TRIED = re.compile(rf"Tried to allocate ({_SIZE})")
 # PyTorch >= 2.1: "GPU 0 has a total capacity of 23.65 GiB of which 3.06 MiB is free." (2.1 itself
 # printed "capacty"); then "Process 123 has 10 GiB memory in use." per process on the card, and
@@ -70,16 +96,14 @@ _FREE_OLD = re.compile(rf"({_SIZE}) free[;)]")
 _ALLOCATED_OLD = re.compile(rf"({_SIZE}) already allocated")
 _RESERVED_OLD = re.compile(rf"({_SIZE}) reserved in total by PyTorch")
 
-# Memory held outside this process that says the card was not ours alone: a display takes up to a
-# GiB or so, a CUDA context a few hundred MiB; more than this was another job.
-OUTSIDE_FLOOR_BYTES = 2 * 2**30
+# Memory held outside this process that says the card was not ours alone: a desktop session (display
+# server, compositor, a browser) holds up to 2-3 GiB, a CUDA context a few hundred MiB; more than this
+# was another job. 2.4 GiB outside on a 24 GiB desktop card was a preset that did not fit (OneTrainer#841).
+OUTSIDE_FLOOR_BYTES = 3 * 2**30
 OUTSIDE_SHARE = 0.10
 
 # -- where an OOM happened: traceback frames ---------------------------------------------------------
-# (function name, phase, where it comes from). A sampling frame anywhere makes it "sample" (a
-# validation loads a pipeline and encodes prompts: still the sample's memory); otherwise the
-# innermost frame that names a phase wins: an AI Toolkit step that encodes its captions on the fly
-# runs out in `encode_prompt`, not in training.
+# (function name, phase, where it comes from): the trainers' own methods, each named for its work.
 FRAME_PHASES: tuple[tuple[str, str, str], ...] = (
     ("sample", "sample", "AI Toolkit BaseSDTrainProcess.sample (baseline and periodic samples)"),
     ("generate_images", "sample", "AI Toolkit StableDiffusion.generate_images"),
@@ -87,27 +111,58 @@ FRAME_PHASES: tuple[tuple[str, str, str], ...] = (
     ("sample_images_common", "sample", "kohya sd-scripts train_util.sample_images_common"),
     ("sample_image_inference", "sample", "kohya sd-scripts train_util / flux_train_utils"),
     ("log_validation", "sample", "diffusers example scripts' validation"),
+    ("log_images", "sample", "ControlNet / latent-diffusion image logging during training"),
+    ("latents_to_image", "sample", "kohya sd-scripts sampling pipelines (VAE decode of a sample)"),
+    ("decode_latents", "sample", "diffusers and kohya pipelines: VAE decode of a sample"),
     ("cache_text_encoder_outputs_if_needed", "text_encoder", "kohya sd-scripts NetworkTrainer"),
     ("cache_text_encoder_outputs", "text_encoder", "kohya sd-scripts train_util"),
     ("encode_prompt", "text_encoder", "diffusers pipelines and AI Toolkit StableDiffusion.encode_prompt"),
+    ("encode_prompts", "text_encoder", "musubi-tuner / SimpleTuner text embed caches"),
     ("compute_text_embeddings", "text_encoder", "diffusers dreambooth examples"),
     ("cache_latents", "latents", "kohya sd-scripts / AI Toolkit latent caching"),
+    ("new_cache_latents", "latents", "kohya sd-scripts train_util (caching strategies)"),
     ("cache_batch_latents", "latents", "kohya sd-scripts train_util"),
     ("compute_vae_encodings", "latents", "diffusers train_text_to_image_lora_sdxl"),
     ("encode_images", "latents", "AI Toolkit StableDiffusion.encode_images (VAE encode)"),
+    ("encode_datasets", "latents", "musubi-tuner cache_latents.py"),
     ("from_pretrained", "load", "diffusers / transformers model loading"),
     ("quantize_model", "load", "AI Toolkit toolkit/util/quantize.py"),
     ("load_model", "load", "AI Toolkit StableDiffusion.load_model"),
     ("load_target_model", "load", "kohya sd-scripts"),
     ("load_transformer", "load", "musubi-tuner"),
     ("load_flow_model", "load", "kohya sd-scripts flux_utils"),
+    ("prepare", "load", "accelerate's Accelerator.prepare moves the models to the card (kohya_ss#369)"),
+    ("setup_train_device", "load", "OneTrainer model setups: every part to its training device (OneTrainer#841)"),
     ("hook_train_loop", "train", "AI Toolkit SDTrainer"),
     ("train_single_accumulation", "train", "AI Toolkit SDTrainer"),
     ("call_dit", "train", "musubi-tuner NetworkTrainer"),
+    ("call_unet", "train", "kohya sd-scripts NetworkTrainer"),
+    ("process_batch", "train", "kohya sd-scripts NetworkTrainer"),
+    ("train_step", "train", "a training step (many loops, polyffusion#2)"),
+    ("training_step", "train", "PyTorch Lightning"),
+    ("train_batch", "train", "DeepSpeed's pipeline engine (diffusion-pipe)"),
     ("backward", "train", "torch.Tensor.backward / accelerate's Accelerator.backward"),
+    ("run_backward", "train", "torch.autograd"),
+    ("_engine_run_backward", "train", "torch.autograd, PyTorch >= 2.3"),
 )
 _FRAME_PHASE = {name: phase for name, phase, _ in FRAME_PHASES}
-_FRAME = re.compile(r'File "[^"]+", line \d+, in (\S+)')
+# Name shapes of the same families of methods: load_*, quantize*, enable_* (enable_block_swap,
+# enable_model_cpu_offload) and OneTrainer's transformer_to / text_encoder_to / vae_to.
+_FRAME_SHAPES = ((re.compile(r"^(?:load_|quantiz|enable_)\w{0,80}$|^\w{1,80}_to$"), "load"),)
+# torch.nn.Module moving weights: load, unless a named frame above says whose weights (a text encoder
+# moved to the card for caching is the text encoder's memory).
+_MOVE_FRAMES = frozenset({"to", "cuda", "_apply", "convert"})
+# A script or function that is a training loop: a denoiser's forward under it is a training step.
+_TRAIN_FILE = re.compile(r"train", re.IGNORECASE)
+_TRAIN_FUNCS = frozenset({"train", "train_model", "run_training", "training_loop", "train_loop", "train_epoch",
+                          "train_one_epoch", "fit", "_fit_impl"})
+# A whole process that only caches (musubi-tuner, kohya's cache scripts): its script says the phase.
+_CACHE_SCRIPTS = ((re.compile(r"cache_text_encoder", re.IGNORECASE), "text_encoder"),
+                  (re.compile(r"cache_latents", re.IGNORECASE), "latents"))
+# 'File "x.py", line 9, in f' (also after "[rank0]:" or a logger prefix), and rich's "│ x.py:9 in f │".
+# Each alternative starts only at a literal or after a space, so a long line costs its length.
+_FRAME = re.compile(r'File "([^"\r\n]{1,1000})", line \d{1,9}, in (\S{1,200})'
+                    r'|(?:^|(?<=[\s│]))([^\s│"]{1,300}\.py):\d{1,9} in (\w{1,200})', re.MULTILINE)
 
 # -- where an OOM happened: what trainers print on entering a phase ----------------------------------
 # (lower-case substring, phase, where it comes from). Once training has started only the sample
@@ -131,14 +186,29 @@ LINE_PHASES: tuple[tuple[str, str, str], ...] = (
     ("running validation", "sample", "diffusers example scripts"),
     ("running training / 学習開始", "train", "kohya sd-scripts and musubi-tuner"),
     ("***** running training *****", "train", "diffusers example scripts"),
+    ("requested to load", "load", "ComfyUI's model management, under ComfyUI-based trainers"),
+    ("loading pipeline components", "load", "diffusers DiffusionPipeline.from_pretrained"),
+    ("moving text encoder", "text_encoder", "AI Toolkit moving its text encoder to the card to encode"),
+)
+# A line that starts a phase by its first word, after any logger prefix: AI Toolkit prints "Loading
+# <part>" and "Quantizing <part>" for every part it loads (Transformer 1/2, UMT5EncoderModel, Mistral).
+LINE_STARTS: tuple[tuple[str, str, str], ...] = (
+    ("loading ", "load", "AI Toolkit, musubi-tuner, transformers ('Loading checkpoint shards')"),
+    ("quantizing ", "load", "AI Toolkit quantizing each part it loads"),
 )
 
 # -- which progress bar counts training steps ---------------------------------------------------------
 # tqdm: "DESC:  12%|##        | 240/2000 [01:02<07:35,  3.86it/s, POSTFIX]". The training bar is
 # "steps" in kohya sd-scripts and musubi-tuner, "Steps" in diffusers examples, the job name in AI
-# Toolkit; any other bar whose postfix reports a loss is taken as a training loop too.
-_BAR = re.compile(r"(?P<desc>[^\r\n|]*?)\s*(?P<pct>\d{1,3})%\|[^|\r\n]*\|\s*(?P<n>\d+)/(?P<total>\d+)"
-                  r"(?:\s*\[(?P<inside>[^\]\r\n]*)\]?)?")
+# Toolkit, "step:"/"epoch:" in OneTrainer, "Epoch N" in PyTorch Lightning, "Epoch 1/134 - steps" in
+# ComfyUI-FluxTrainer, "Train (loss ...) epoch 1" in plain loops; any other bar whose postfix
+# reports a loss is taken as a training loop too. Matched in a window around its "%|", so that a
+# very long line costs what its length costs.
+_BAR = re.compile(r"(?P<desc>[^\r\n|]{0,200}?)\s*(?P<pct>\d{1,3})%(?:\|[^|\r\n]{0,400}\|)?\s*(?P<n>\d{1,12})/"
+                  r"(?P<total>\d{1,12})(?:\s*\[(?P<inside>[^\]\r\n]{0,200})\]?)?")
+_BAR_WINDOW = 260
+_TRAIN_BAR_WORDS = re.compile(r"\b(?:steps?|epoch|train(?:ing)?)\b", re.IGNORECASE)
+_NOT_TRAIN_BAR_WORDS = re.compile(r"valid|eval|test|sampl|generat|cach|load|quantiz", re.IGNORECASE)
 # AI Toolkit run.py's banner "# Running job: NAME" starts a job: loading, and NAME is its bar's desc.
 _JOB_NAME = re.compile(r"#\s*Running job: (\S.*?)\s*$")
 _TRACEBACK = "Traceback (most recent call last)"
@@ -147,7 +217,7 @@ _TRACEBACK = "Traceback (most recent call last)"
 @dataclass(frozen=True)
 class Verdict:
     is_oom: bool
-    kind: str  # "config" | "environment" | "not_oom"
+    kind: str  # "config" | "environment" | "host" | "not_oom"
     message: str
     marker: str | None = None
     tried_bytes: int | None = None
@@ -179,30 +249,76 @@ def classify(error: BaseException | str, conservative: bool = False,
     """
     if isinstance(error, BaseException):
         text = f"{type(error).__name__}: {error}"
-        frames = [frame.name for frame in traceback.extract_tb(error.__traceback__)]
+        stack = traceback.extract_tb(error.__traceback__)
+        frames, files = [frame.name for frame in stack], [frame.filename for frame in stack]
         is_oom_type = type(error).__name__ == "OutOfMemoryError"
+        host = None
     else:
         text = str(error)
-        frames = _FRAME.findall(text)
+        frames, files = frames_of_text(text)
         is_oom_type = False
+        host = host_marker(text)
     marker = next((m for m, _ in OOM_MARKERS if m in text), None)
-    if not is_oom_type and marker is None:
+    if not is_oom_type and marker is None and host is None:
         return Verdict(False, "not_oom", _message_line(text))
+    if marker is None and host is not None:
+        return Verdict(True, "host", _message_line(text, host), host, phase=phase_of_frames(frames, files))
     numbers = _numbers(text)
     verdict = Verdict(True, "config", _message_line(text, marker), marker or "OutOfMemoryError",
-                      phase=phase_of_frames(frames), **numbers)
+                      phase=phase_of_frames(frames, files), **numbers)
     reason = _environment_reason(verdict, text, conservative, occupied_at_start)
     return verdict if reason is None else replace(verdict, kind="environment", reason=reason)
 
 
-def phase_of_frames(function_names: list[str]) -> str | None:
-    """The phase the traceback frames name: "sample" if any sampling frame, else the innermost."""
-    if any(_FRAME_PHASE.get(name) == "sample" for name in function_names):
+def phase_of_frames(function_names: list[str], files: list[str] | None = None) -> str | None:
+    """The phase a traceback names, outermost frame first in the lists.
+
+    A sampling frame anywhere makes it "sample" (a validation loads a pipeline and encodes prompts:
+    still the sample's memory); a caching script makes it its cache; otherwise the innermost frame
+    that names a phase's work (an AI Toolkit step that encodes its captions on the fly runs out in
+    `encode_prompt`, not in training); then torch moving weights (load); then a training loop
+    around an unnamed forward (train)."""
+    files = files or [""] * len(function_names)
+    named = [_frame_phase(name) for name in function_names]
+    if "sample" in named:
         return "sample"
-    for name in reversed(function_names):
-        if name in _FRAME_PHASE:
-            return _FRAME_PHASE[name]
-    return None
+    script = next((f for f in files if f), "")
+    for pattern, phase in _CACHE_SCRIPTS:
+        if pattern.search(script.replace("\\", "/").rsplit("/", 1)[-1]):
+            return phase
+    for phase in reversed(named):
+        if phase:
+            return phase
+    if any(name in _MOVE_FRAMES for name in function_names):
+        return "load"
+    in_training = any(name in _TRAIN_FUNCS for name in function_names) or any(
+        _TRAIN_FILE.search(f.replace("\\", "/").rsplit("/", 1)[-1]) for f, name in zip(files, function_names)
+        if f and name != "<module>")
+    return "train" if in_training else None
+
+
+def _frame_phase(name: str) -> str | None:
+    if name in _FRAME_PHASE:
+        return _FRAME_PHASE[name]
+    return next((phase for pattern, phase in _FRAME_SHAPES if pattern.match(name)), None)
+
+
+def frames_of_text(text: str) -> tuple[list[str], list[str]]:
+    """(function names, files) of every traceback frame in the text, outermost first."""
+    names, files = [], []
+    for match in _FRAME.finditer(text):
+        files.append(match.group(1) or match.group(3))
+        names.append(match.group(2) or match.group(4))
+    return names, files
+
+
+def host_marker(text: str) -> str | None:
+    """The text that says the machine's RAM ran out, or None."""
+    found = next((m for m, _ in HOST_MARKERS if m in text), None)
+    if found is None:
+        match = _HOST_LINE.search(text)
+        found = match.group(0).strip() if match else None
+    return found
 
 
 def _environment_reason(verdict: Verdict, text: str, conservative: bool, occupied_at_start: bool) -> str | None:
@@ -232,6 +348,7 @@ class OomEvent:
     training_started: bool
     recovered: bool = False  # training went on to a later step after it
     skipped_batches: int = 0  # AI Toolkit's "skipping batch" lines in it
+    frames: int = 0  # traceback frames read around it (none named a phase when phase is "unknown")
 
 
 @dataclass(frozen=True)
@@ -305,7 +422,12 @@ def _follow_phase(walk: _Walk, line: str) -> None:
             if phase == "train":  # "running training": a (new) training loop begins
                 walk.training_started, walk.step_done = True, 0
             break
-    bar = _BAR.search(line) if "%|" in line else None
+    else:
+        start = _LOG_PREFIX.sub("", lower.lstrip())
+        phase = next((phase for word, phase, _ in LINE_STARTS if start.startswith(word)), None)
+        if phase and not walk.training_started:
+            walk.phase = phase
+    bar = _bar(line)
     if bar and _is_training_bar(bar, walk.job_name):
         done = int(bar.group("n"))
         for cluster in walk.clusters:
@@ -314,15 +436,32 @@ def _follow_phase(walk: _Walk, line: str) -> None:
         walk.phase = "train"
 
 
+def _bar(line: str) -> re.Match | None:
+    """The tqdm bar in a line ("12%|##  | 240/2000", or "12% 240/2000" without a bar in Colab), matched
+    in a bounded window around each of its first "%" signs."""
+    at = line.find("%")
+    for _ in range(4):
+        if at < 0:
+            return None
+        bar = _BAR.search(line, max(0, at - _BAR_WINDOW), at + 2 * _BAR_WINDOW)
+        if bar:
+            return bar
+        at = line.find("%", at + 1)
+    return None
+
+
 def _is_training_bar(bar: re.Match, job_name: str | None) -> bool:
     desc = bar.group("desc").strip().rstrip(":").strip()
     desc = desc.split("] ")[-1]  # "[2024-09-07 08:47:52] [INFO] steps" (fluxgym)
     inside = (bar.group("inside") or "").lower()
-    return desc.lower() == "steps" or bool(job_name and desc.endswith(job_name)) or "loss" in inside
+    if job_name and desc.endswith(job_name):
+        return True
+    named = bool(_TRAIN_BAR_WORDS.search(desc)) and not _NOT_TRAIN_BAR_WORDS.search(desc)
+    return named or "loss" in inside
 
 
 def _is_oom_line(line: str) -> bool:
-    return any(marker in line for marker, _ in OOM_MARKERS)
+    return any(marker in line for marker, _ in OOM_MARKERS) or host_marker(line) is not None
 
 
 def _add_to_cluster(walk: _Walk, index: int, line: str) -> None:
@@ -348,14 +487,43 @@ def _step_now(walk: _Walk) -> int | None:
 
 def _event(records: list[tuple[int, str]], cluster: _Cluster) -> OomEvent:
     start = _traceback_start(records, cluster.first)
-    block = [line for _, line in records[start:cluster.last + 1]]
+    end = _traceback_end(records, cluster.last)
+    block = [line for _, line in records[start:end + 1]]
     text = "\n".join(block)
     verdict = classify(text)
-    phase = verdict.phase or cluster.phase
-    started = cluster.training_started and not (phase == "sample" and cluster.step is None)
-    return OomEvent(verdict, text, records[cluster.first][0], phase, cluster.step, started,
-                    recovered=cluster.done_after > cluster.done_at_last,
-                    skipped_batches=sum(SKIPPED_MARKER in line for line in block))
+    phase, step, started = verdict.phase or cluster.phase, cluster.step, cluster.training_started
+    after = _bar_after(records, cluster.last) if phase == "unknown" and step is None else None
+    if after is not None:  # tqdm redrew the training bar as the run died: the step it was in
+        phase, step, started = "train", after + 1, True
+    started = started and not (phase == "sample" and step is None)
+    return OomEvent(verdict, text, records[cluster.first][0], phase, step, started,
+                    recovered=cluster.done_after > max(cluster.done_at_last, 0),
+                    skipped_batches=sum(SKIPPED_MARKER in line for line in block),
+                    frames=len(frames_of_text(text)[0]))
+
+
+def _traceback_end(records: list[tuple[int, str]], last: int, near: int = 15, reach: int = 400) -> int:
+    """The end of a traceback printed after the OOM message (AI Toolkit prints "Error running job:
+    ..." first), or `last`: its frames say where the OOM happened."""
+    begin = next((i for i in range(last + 1, min(len(records), last + 1 + near)) if _TRACEBACK in records[i][1]
+                  or _bar(records[i][1])), None)
+    if begin is None or _TRACEBACK not in records[begin][1]:
+        return last
+    end = begin
+    for index in range(begin + 1, min(len(records), begin + reach)):
+        if _bar(records[index][1]) or _is_oom_line(records[index][1]):  # training went on, or another failure
+            break
+        end = index
+    return end
+
+
+def _bar_after(records: list[tuple[int, str]], last: int, reach: int = 3) -> int | None:
+    """Steps done by a training bar tqdm redrew right after the OOM message, or None."""
+    for _, line in records[last + 1:last + 1 + reach]:
+        bar = _bar(line)
+        if bar and _is_training_bar(bar, None):
+            return int(bar.group("n"))
+    return None
 
 
 def _traceback_start(records: list[tuple[int, str]], first: int, reach: int = 400) -> int:
@@ -364,7 +532,7 @@ def _traceback_start(records: list[tuple[int, str]], first: int, reach: int = 40
         line = records[index][1]
         if _TRACEBACK in line:
             return index
-        if index < first and "%|" in line and _BAR.search(line):
+        if index < first and _bar(line):
             break
     return first
 
@@ -373,7 +541,8 @@ def _traceback_start(records: list[tuple[int, str]], first: int, reach: int = 40
 # "RuntimeError: mat1 and mat2 shapes cannot be multiplied", "safetensors_rust.SafetensorError: ...",
 # with any logger prefix before it. accelerate's launcher ends every failed run with its own
 # CalledProcessError, which says only that the child failed: the child's error is the one to show.
-_ERROR_LINE = re.compile(r"(?:^|[\s\]])((?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Interrupt)(?::\s.*|:?\s*$))")
+_ERROR_LINE = re.compile(r"(?:^|[\s\]])((?:[A-Za-z_]\w{0,80}\.){0,8}[A-Z]\w{0,80}(?:Error|Exception|Interrupt)"
+                         r"(?::\s.*|:?\s*$))")
 _LAUNCHER_ERRORS = ("CalledProcessError",)
 
 
@@ -390,7 +559,7 @@ def _last_error(errors: list[tuple[int, str]]) -> tuple[int | None, str | None]:
 
 
 # -- helpers ----------------------------------------------------------------------------------------
-_LOG_PREFIX = re.compile(r"^(?:\[[^\]]*\]\s*)+")  # "[2024-09-09 17:43:35] [INFO] " (fluxgym, GUIs)
+_LOG_PREFIX = re.compile(r"^(?:\[[^\]]{0,200}\]\s*)+")  # "[2024-09-09 17:43:35] [INFO] " (fluxgym, GUIs)
 
 
 def _message_line(text: str, marker: str | None = None) -> str:
