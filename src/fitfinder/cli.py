@@ -7,6 +7,7 @@ FITFINDER_DEBUG=1 to see the traceback instead.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 import sys
@@ -98,6 +99,7 @@ def search(
         for index in gpus:
             preflight.ensure_clean(index, job.settings.vram_bytes, out, force=force)
     name = _study_name(study or job.name)
+    _check_outputs(job, results_dir / name, None if storage else studies_dir)
     options = searching.SearchOptions(study_name=name, meter=meter, gpu=gpus[0], storage=storage,
                                       studies_dir=studies_dir, results_dir=results_dir, workers=workers,
                                       gpus=tuple(gpus) if meter == "cuda" and len(gpus) > 1 else (),
@@ -339,6 +341,7 @@ def report(
     out = Output(json_output)
     view = reporting.open_study(name, studies_dir, storage, job)
     out_dir = results_dir / name
+    reporting.check_output_dir(out_dir, "--results-dir")
     trials_csv = reporting.write_trials_csv(view.study, view.space, out_dir / "trials.csv")
     summary = reporting.summary_of(view, out_dir)
     paths = reporting.write_report(view.study, view.space, view.known, out_dir, summary)
@@ -414,23 +417,45 @@ def _short(value) -> str:
 def _load(job_file: Path, vram: Optional[str] = None, **options):
     """Read and validate the job file, then let command-line options win over `fitfinder:`."""
     from fitfinder import jobconfig
-    from fitfinder.units import parse_bytes
+    from fitfinder.units import parse_budget
 
     job = jobconfig.load(job_file)
     _check_options(options)
     overrides = {key: value for key, value in options.items() if key != "timeout"}
     overrides["probe_timeout"] = options.get("timeout")
-    overrides["vram_bytes"] = parse_bytes(vram, "--vram") if vram is not None else None
+    overrides["vram_bytes"] = parse_budget(vram, "--vram") if vram is not None else None
     job.settings = job.settings.with_options(**overrides)
     return job
 
 
+# The command line's numbers, in the same ranges as the `fitfinder:` section's.
+_OPTION_RANGES = {"trials": (1, 100_000), "probe_steps": (1, 100_000), "timeout": (1, 86_400)}
+
+
+def _check_outputs(job, out_dir: Path, studies_dir: Optional[Path]) -> None:
+    """What would fail after the first probe, refused before anything is written: the model's
+    weights, an output folder that cannot be written."""
+    from fitfinder import models, report
+
+    models.model_spec(job)  # a missing model folder, an unknown family
+    report.check_output_dir(out_dir, "--results-dir")
+    if studies_dir is not None:
+        report.check_output_dir(studies_dir, "--studies-dir")
+
+
 def _check_options(options: dict) -> None:
-    if options.get("margin") is not None and not 0 <= options["margin"] < 0.9:
-        raise UserError(f"--margin: must be between 0 and 0.9, got {options['margin']}")
-    for key in ("trials", "probe_steps", "timeout"):
-        if options.get(key) is not None and options[key] <= 0:
-            raise UserError(f"--{key.replace('_', '-')}: must be positive, got {options[key]}")
+    """Finite numbers in sane ranges; NaN compares false with everything, so it is named first."""
+    margin = options.get("margin")
+    if margin is not None and not (math.isfinite(margin) and 0 <= margin < 0.9):
+        raise UserError(f"--margin: must be between 0 and 0.9, got {margin}")
+    for key, (low, high) in _OPTION_RANGES.items():
+        value = options.get(key)
+        if value is None:
+            continue
+        if not math.isfinite(value) or value <= 0:
+            raise UserError(f"--{key.replace('_', '-')}: must be positive, got {value}")
+        if not low <= value <= high:
+            raise UserError(f"--{key.replace('_', '-')}: must be between {low} and {high}, got {value}")
 
 
 def _meter(gpu: Optional[str], job, out, need_budget: bool = True) -> tuple[str, list[int]]:
@@ -470,9 +495,16 @@ def cuda_device_count() -> int:
         return 0
 
 
+MAX_NAME = 100  # studies/NAME.db and results/NAME/ must stay file names (255 bytes at most)
+
+
 def _study_name(name: str) -> str:
     """A name safe as a file name: studies/NAME.db, results/NAME/."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") or "study"
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") or "study"
+    if len(safe) > MAX_NAME:
+        raise UserError(f"study name {safe[:20]}...: {len(safe)} characters, at most {MAX_NAME}; "
+                        "shorten config.name or give --study NAME")
+    return safe
 
 
 def main() -> None:
