@@ -391,6 +391,8 @@ def dashboard(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; 0.0.0.0 offers it to the network."),
     port: int = typer.Option(8080, "--port", help="Port to listen on; 0 picks a free one."),
     studies_dir: Path = StudiesDirOpt,
+    create: bool = typer.Option(False, "--create", help="Add Optuna's tables to a storage that has none "
+                                                        "[refused: it may be someone else's database]."),
 ) -> None:
     """Serve the Optuna dashboard of a study on this machine; Ctrl-C stops it."""
     from fitfinder import dashboard as dashboards
@@ -399,7 +401,7 @@ def dashboard(
     out = Output()
     if not 0 <= port <= 65535:
         raise UserError(f"--port: must be between 0 and 65535, got {port}")
-    url, shown = dashboards.storage_for(study_db, studies_dir)
+    url, shown = dashboards.storage_for(study_db, studies_dir, create)
     server = dashboards.Dashboard(url, host, port)
     if host not in ("127.0.0.1", "localhost", "::1"):
         out.note(f"listening on {host}: whoever can reach this machine can read, edit and delete the study")
