@@ -509,8 +509,28 @@ def _study_name(name: str) -> str:
     return safe
 
 
-def main() -> None:
-    app()
+def main(argv: Optional[list[str]] = None) -> None:
+    """The `fitfinder` command. A usage error (an unknown option, `--trials abc`) is one line and
+    exit code 2 like every other bad input, not click's four-line usage block."""
+    try:  # typer 0.22+ carries its own copy of click
+        from typer._click import exceptions as click
+    except ImportError:
+        from click import exceptions as click
+
+    try:
+        code = app(args=argv, standalone_mode=False)
+    except click.NoArgsIsHelpError as exc:  # `fitfinder` alone: the help, as before
+        print(exc.ctx.get_help() if exc.ctx else exc.format_message())
+        sys.exit(2)
+    except click.UsageError as exc:
+        if os.environ.get("FITFINDER_DEBUG"):
+            raise
+        from fitfinder.jobconfig import one_line
+
+        where = f"; see `{exc.ctx.command_path} --help`" if exc.ctx else ""
+        print(f"fitfinder: error: {one_line(exc.format_message(), 300).rstrip('.')}{where}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

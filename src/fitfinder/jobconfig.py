@@ -273,6 +273,8 @@ def load(path: str | Path) -> JobFile:
         raise UserError(f"{path}: no such file; give the path of an AI Toolkit job file (.yaml)")
     if path.is_dir():
         raise UserError(f"{path}: is a folder; give the path of an AI Toolkit job file (.yaml)")
+    if not path.is_file():  # a FIFO would block the open, /dev/zero never ends
+        raise UserError(f"{path}: not a regular file; give the path of an AI Toolkit job file (.yaml)")
     try:
         with path.open("rb") as handle:
             raw = handle.read(MAX_JOB_BYTES + 1)  # a FIFO or /dev/zero must not be read to the end
