@@ -150,7 +150,7 @@ def probe(
     from fitfinder.units import format_bytes
 
     out = Output(json_output)
-    job = _load(job_file, vram=vram, probe_steps=steps, timeout=timeout)
+    job = _load(job_file, vram=vram, probe_steps=steps, timeout=timeout, names={"probe_steps": "--steps"})
     meter, gpus = _meter(gpu, job, out, need_budget=False)
     gpu_index = gpus[0]
     request = probing.request_for(job, job.settings.probe_steps, meter, job.settings.vram_bytes, gpu_index)
@@ -416,13 +416,14 @@ def _short(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _load(job_file: Path, vram: Optional[str] = None, **options):
-    """Read and validate the job file, then let command-line options win over `fitfinder:`."""
+def _load(job_file: Path, vram: Optional[str] = None, names: Optional[dict] = None, **options):
+    """Read and validate the job file, then let command-line options win over `fitfinder:`
+    (`names`: an option's name where it is not --key-with-dashes)."""
     from fitfinder import jobconfig
     from fitfinder.units import parse_budget
 
     job = jobconfig.load(job_file)
-    _check_options(options)
+    _check_options(options, names or {})
     overrides = {key: value for key, value in options.items() if key != "timeout"}
     overrides["probe_timeout"] = options.get("timeout")
     overrides["vram_bytes"] = parse_budget(vram, "--vram") if vram is not None else None
@@ -449,19 +450,19 @@ def _check_outputs(job, job_file: Path, out_dir: Path, studies_dir: Optional[Pat
 _OPTION_RANGES = {"trials": (1, 100_000), "probe_steps": (1, 100_000), "timeout": (1, 86_400)}
 
 
-def _check_options(options: dict) -> None:
+def _check_options(options: dict, names: dict) -> None:
     """Finite numbers in sane ranges; NaN compares false with everything, so it is named first."""
     margin = options.get("margin")
     if margin is not None and not (math.isfinite(margin) and 0 <= margin < 0.9):
         raise UserError(f"--margin: must be between 0 and 0.9, got {margin}")
     for key, (low, high) in _OPTION_RANGES.items():
-        value = options.get(key)
+        value, option = options.get(key), names.get(key, f"--{key.replace('_', '-')}")
         if value is None:
             continue
         if not math.isfinite(value) or value <= 0:
-            raise UserError(f"--{key.replace('_', '-')}: must be positive, got {value}")
+            raise UserError(f"{option}: must be positive, got {value}")
         if not low <= value <= high:
-            raise UserError(f"--{key.replace('_', '-')}: must be between {low} and {high}, got {value}")
+            raise UserError(f"{option}: must be between {low} and {high}, got {value}")
 
 
 def _meter(gpu: Optional[str], job, out, need_budget: bool = True) -> tuple[str, list[int]]:

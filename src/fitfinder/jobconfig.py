@@ -300,6 +300,8 @@ def loads(text: str, source: str = "<job>") -> JobFile:
 
     if len(text) > MAX_JOB_BYTES:
         raise UserError(f"{source}: larger than 1 MiB; an AI Toolkit job file is a few KiB")
+    if _flow_depth(text) > MAX_DEPTH:  # ruamel's scanner is quadratic in it: 3000 `[` took 12 s
+        raise UserError(f"{source}: nested more than {MAX_DEPTH} levels deep")
     try:
         data = _yaml().load(text)
     except YAMLError as exc:
@@ -325,6 +327,16 @@ def loads(text: str, source: str = "<job>") -> JobFile:
     if problems:
         raise ConfigError(source, problems)
     return job
+
+
+def _flow_depth(text: str) -> int:
+    """How deep `[` and `{` nest, counted on the brackets alone (quotes are not told apart: a
+    prompt would need 50 unclosed brackets to be miscounted)."""
+    depth = deepest = 0
+    for bracket in re.sub(r"[^\[\]{}]+", "", text):
+        depth = depth + 1 if bracket in "[{" else max(0, depth - 1)
+        deepest = max(deepest, depth)
+    return deepest
 
 
 def _size_problem(data: Any) -> str | None:
@@ -492,10 +504,13 @@ def _read_settings(section: Any) -> tuple[Settings, list[str]]:
 
 
 def _in_range(value: Any, low: float, high: float, what: str, kind: type) -> Any:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-        raise UserError(f"{what}: expected {'an integer' if kind is int else 'a number'}, got {brief(value)}")
-    if not low <= value <= high:  # NaN is refused here too: it compares false
+    expected = f"{what}: expected {'an integer' if kind is int else 'a number'}, got {brief(value)}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UserError(expected)
+    if not (math.isfinite(value) and low <= value <= high):  # NaN compares false with both
         raise UserError(f"{what}: must be between {low} and {high}, got {brief(value)}")
+    if kind is int and value != int(value):
+        raise UserError(expected)
     return kind(value)
 
 
