@@ -416,3 +416,45 @@ def test_hostile_input_as_a_process(name, tmp_path):
     before = snapshot(tmp_path)
     assert_one_clean_line(run_cli(*case.argv, cwd=tmp_path, timeout=60), case.expected)
     assert snapshot(tmp_path) == before
+
+
+# -- result files: the umask's mode, and a full disk in one line ----------------------------------
+def test_result_files_take_the_mode_the_umask_gives(tmp_path):
+    """mkstemp makes 0600 files; written through it, results were unreadable by the group under umask 022."""
+    from fitfinder import jobconfig, report, space
+
+    job = jobconfig.load(DEMO)
+    old = os.umask(0o022)
+    try:
+        jobconfig.write_atomic(tmp_path / "plain.txt", "x\n")
+        built = space.build(job)
+        best = report.export_best(job, built, built.lightest(), tmp_path / "results", ["a fact"])
+        os.umask(0o077)
+        jobconfig.write_atomic(tmp_path / "private.txt", "x\n")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "plain.txt").stat().st_mode & 0o777 == 0o644
+    assert best.stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "private.txt").stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in tmp_path.rglob(".*")] == []  # no temporary file left behind
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_temporary_file(tmp_path):
+    from fitfinder import jobconfig
+    from fitfinder.errors import UserError
+
+    small = tmp_path / "small"
+    small.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("a full disk needs a small tmpfs, which only root can mount")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(small)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"no tmpfs here: {mounted.stderr.decode()[:100]}")
+    try:
+        with pytest.raises(UserError) as caught:
+            jobconfig.write_atomic(small / "report.html", "x" * 1_000_000)
+        left = list(small.iterdir())
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+    assert str(caught.value) == f"{small / 'report.html'}: cannot write it (No space left on device)"
+    assert left == []
