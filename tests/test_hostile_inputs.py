@@ -251,6 +251,8 @@ job("estimate_vram_nan", GOOD, "--vram: 'nan' is not a size", "--vram", "nan", c
 job("estimate_timeout_nan", GOOD, "--timeout: must be positive, got nan", "--timeout", "nan", command="estimate")
 job("probe_steps_zero", GOOD, "--steps: must be positive, got 0", "--steps", "0", command="probe")
 CASES["job_file_missing"] = Case(["search", "nowhere.yaml"], "nowhere.yaml: no such file")
+CASES["job_path_with_newline"] = Case(["search", "a\nfitfinder: error: forged.yaml"],
+                                      "a\\nfitfinder: error: forged.yaml: no such file")
 CASES["job_file_a_folder"] = Case(["search", "."], ".: is a folder")
 CASES["job_file_dev_zero"] = Case(["search", "/dev/zero"], "/dev/zero: not a regular file")
 
@@ -274,15 +276,18 @@ CASES["job_file_fifo"] = Case(["search", "job.yaml"], "job.yaml: not a regular f
 
 # -- the environment: output folders that cannot be written ----------------------------------------
 def read_only(path: Path) -> Callable[[], None]:
-    """Make `path` (an empty folder) read-only: chmod for a user, a read-only tmpfs for root
-    (whom permissions do not stop). Returns the undo."""
+    """Make the folder `path` read-only, keeping what it holds: chmod for a user, a read-only bind
+    mount of it onto itself for root (whom permissions do not stop). Returns the undo."""
     path.mkdir(exist_ok=True)
     if os.geteuid() != 0:
         path.chmod(0o555)
         return lambda: path.chmod(0o755)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"root without a read-only mount: {mounted.stderr.decode()[:100]}")
+    for command in (["mount", "--bind", str(path), str(path)], ["mount", "-o", "remount,ro,bind", str(path)]):
+        done = subprocess.run(command, capture_output=True)
+        if done.returncode != 0:
+            if command[1] != "--bind":
+                subprocess.run(["umount", str(path)])
+            pytest.skip(f"root without a read-only mount: {done.stderr.decode()[:100]}")
     return lambda: subprocess.run(["umount", str(path)], check=True)
 
 
@@ -331,6 +336,8 @@ for name, text, expected in (
         ("bucket_tolerance_zero", dataset("bucket_tolerance: 0"), "datasets[0].bucket_tolerance: expected a positive"),
         ("lr_text", edit("lr: 1e-4", 'lr: "abc"'), "train.lr: expected a number above 0")):
     CASES[f"export_{name}"] = Case(["export", NAME], f"{BEST}: 1 problem: config.process[0].{expected}", {BEST: text})
+CASES["export_into_read_only_results"] = Case(["export", NAME], f"results/{NAME}/kohya.toml: cannot write it (",
+                                              {BEST: GOOD}, setup=lambda folder: read_only(folder / "results" / NAME))
 CASES["export_format_unknown"] = Case(["export", NAME, "--format", "onetrainer"], "--format: expected kohya")
 CASES["export_no_winner"] = Case(["export", NAME], f"{BEST}: no such file")
 
@@ -347,6 +354,9 @@ CASES["dashboard_foreign_database"] = Case(["dashboard", "sqlite:///someone_else
 CASES["dashboard_foreign_file"] = Case(["dashboard", "someone_elses.db", "--port", "0"],
                                        "someone_elses.db: not an Optuna study database", setup=_someone_elses_db)
 CASES["dashboard_missing_url"] = Case(["dashboard", "sqlite:///new.db"], "sqlite:///new.db: no such file; give --create")
+CASES["dashboard_unreachable_server"] = Case(["dashboard", "postgresql://fitfinder@127.0.0.1:1/none"],
+                                             "postgresql://fitfinder@127.0.0.1:1/none: cannot open it (")
+CASES["dashboard_unknown_driver"] = Case(["dashboard", "nosuchdb://host/x"], "nosuchdb://host/x: cannot open it (")
 CASES["dashboard_bad_port"] = Case(["dashboard", "--port", "70000"], "--port: must be between 0 and 65535")
 CASES["dashboard_no_study"] = Case(["dashboard"], "no studies in studies/")
 

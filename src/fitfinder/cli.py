@@ -43,7 +43,9 @@ def _friendly(command):
         except (UserError, RunFailed) as exc:
             if os.environ.get("FITFINDER_DEBUG"):
                 raise
-            print(f"fitfinder: {'error: ' if isinstance(exc, UserError) else ''}{exc}", file=sys.stderr)
+            from fitfinder.jobconfig import one_line  # a message quoting user text stays one line
+
+            print(f"fitfinder: {'error: ' if isinstance(exc, UserError) else ''}{one_line(exc, 4000)}", file=sys.stderr)
             raise typer.Exit(exc.exit_code)
         except KeyboardInterrupt:
             print("fitfinder: interrupted; run the same command again to resume", file=sys.stderr)
@@ -412,8 +414,9 @@ def dashboard(
 
 # -- shared option handling -----------------------------------------------------------------------
 def _short(value) -> str:
-    text = str(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+    from fitfinder.jobconfig import one_line
+
+    return one_line(value, 40)
 
 
 def _load(job_file: Path, vram: Optional[str] = None, names: Optional[dict] = None, **options):

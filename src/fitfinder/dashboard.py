@@ -76,7 +76,8 @@ def _check_url(url: str, create: bool) -> None:
         finally:
             engine.dispose()
     except Exception as exc:  # a driver that is missing, a server that does not answer
-        raise UserError(f"{url}: cannot open it ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else '-'})") from None
+        reason = (str(exc).splitlines() or ["-"])[0][:200]
+        raise UserError(f"{url}: cannot open it ({type(exc).__name__}: {reason})") from None
     if not found:
         raise UserError(f"{url}: holds no Optuna study; give --create to add Optuna's tables to it")
 
@@ -188,7 +189,7 @@ class Dashboard:
             self.studies = self.storage.get_all_studies()
         except Exception as exc:  # not a database, or not an Optuna one
             raise UserError(f"{storage_url}: not an Optuna study storage ({type(exc).__name__}: "
-                            f"{str(exc).splitlines()[0][:200]})") from None
+                            f"{(str(exc).splitlines() or ['-'])[0][:200]})") from None
         guard = LocalGuard(optuna_dashboard.wsgi(self.storage), host)
         try:
             self.server = make_server(host, port, guard, server_class=_Server, handler_class=_QuietHandler)
