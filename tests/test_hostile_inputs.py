@@ -88,6 +88,9 @@ job("alias_bomb_network", bomb() + edit('        type: "lora"\n', '        type:
 job("alias_bomb_candidates", bomb() + edit("    quantize: [none]\n", "    rank: *b9\n    quantize: [none]\n", BODY),
     "job.yaml: more than 10000 values once its aliases", seconds=1)
 job("alias_bomb_as_key", bomb() + "? *b9\n: 1\n" + BODY, "job.yaml: not valid YAML", seconds=1)
+job("alias_string_bomb", f'big: &big "{"x" * 900_000}"\n' + edit("    quantize: [none]\n", "    rank: ["
+                                                                 + ", ".join(["*big"] * 9000) + "]\n    quantize: [none]\n", BODY),
+    "job.yaml: more than 2 MiB of text once its aliases (*name) are expanded", seconds=5)  # ruamel: ~1 s/MiB
 job("undefined_alias", edit("linear: 32", "linear: *nowhere"), "job.yaml: not valid YAML (line 13): found undefined alias 'nowhere'")
 job("nested_60_deep", BODY + "deep: " + "[" * 60 + "]" * 60 + "\n", "nested more than 50 levels")
 job("nested_100000_deep", "deep: " + "[" * 100_000, "job.yaml: nested more than 50 levels deep", seconds=1)

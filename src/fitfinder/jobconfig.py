@@ -340,14 +340,18 @@ def _flow_depth(text: str) -> int:
 
 
 def _size_problem(data: Any) -> str | None:
-    """Walk the values as they read once aliases are expanded, stopping at the budget."""
-    stack, seen = [(data, 0)], 0
+    """Walk the values as they read once aliases are expanded, stopping at the budget: of values,
+    and of text (a 900 KiB string referenced 9000 times is 8 GB once anything copies each)."""
+    stack, seen, chars = [(data, 0)], 0, 0
     while stack:
         node, depth = stack.pop()
         seen += 1
+        chars += len(node) if isinstance(node, str) else 0
         if seen > MAX_VALUES:
             return (f"more than {MAX_VALUES} values once its aliases (*name) are expanded; "
                     "a job file holds a few hundred")
+        if chars > 2 * MAX_JOB_BYTES:
+            return "more than 2 MiB of text once its aliases (*name) are expanded"
         if depth > MAX_DEPTH:
             return f"nested more than {MAX_DEPTH} levels deep"
         if isinstance(node, dict):
