@@ -325,6 +325,9 @@ CASES["diagnose_o_under_a_file"] = Case(["diagnose", "train.log", "--job", "job.
 CASES["diagnose_no_log"] = Case(["diagnose", "nowhere.log"], "nowhere.log: no such file")
 CASES["diagnose_o_without_job"] = Case(["diagnose", "train.log", "-o", "x.yaml"], "-o: needs --job",
                                        {"train.log": LOG})
+CASES["report_name_escapes"] = Case(["report", "../../etc/x"], "../../etc/x: not a study name")
+CASES["export_name_escapes"] = Case(["export", "../outside"], "../outside: not a study name",
+                                    {"outside/best.yaml": GOOD})
 CASES["report_unknown_study"] = Case(["report", "nothing"], "no study 'nothing' in studies/")
 
 # -- export: a best.yaml edited by hand --------------------------------------------------------------

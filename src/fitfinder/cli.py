@@ -341,6 +341,7 @@ def report(
     from fitfinder.output import Output
 
     out = Output(json_output)
+    _check_name(name)
     view = reporting.open_study(name, studies_dir, storage, job)
     out_dir = results_dir / name
     reporting.check_output_dir(out_dir, "--results-dir")
@@ -366,6 +367,7 @@ def export(
     from fitfinder.output import Output
 
     out = Output(json_output)
+    _check_name(name)
     if fmt != "kohya":
         raise UserError(f"--format: expected kohya, got {fmt!r} (the AI Toolkit job file is results/NAME/best.yaml)")
     best = results_dir / name / "best.yaml"
@@ -515,6 +517,14 @@ def _study_name(name: str) -> str:
         raise UserError(f"study name {safe[:20]}...: {len(safe)} characters, at most {MAX_NAME}; "
                         "shorten config.name or give --study NAME")
     return safe
+
+
+def _check_name(name: str) -> None:
+    """A study NAME given on the command line names studies/NAME.db and results/NAME/: one file
+    name, as search makes them, so `../elsewhere` cannot read or write outside those folders."""
+    if _study_name(name) != name:
+        raise UserError(f"{_short(name)}: not a study name; search names them with letters, digits, _ . and - "
+                        f"(studies there: {', '.join(p.stem for p in sorted(Path('studies').glob('*.db'))) or 'none'})")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
