@@ -474,3 +474,16 @@ def test_a_full_disk_is_one_line_and_leaves_no_temporary_file(tmp_path):
         subprocess.run(["umount", str(small)], check=True)
     assert str(caught.value) == f"{small / 'report.html'}: cannot write it (No space left on device)"
     assert left == []
+
+
+def test_the_checks_refuse_nothing_a_real_job_holds():
+    """AI Toolkit's own examples, the demo, an empty `neg:` or `trigger_word:` (null), a learning
+    rate PyYAML reads as text ("1e-4"), and seed -1 still load."""
+    from fitfinder import jobconfig
+
+    for path in [DEMO, *sorted((ROOT / "examples" / "aitk").glob("*.yaml"))]:
+        jobconfig.load(path)
+    job = jobconfig.loads(sample("neg:\n        seed: -1").replace("lr: 1e-4", 'lr: "1e-4"')
+                          .replace("      training_folder:", "      trigger_word:\n      training_folder:"), "job.yaml")
+    assert (job.get("sample.neg"), job.get("trigger_word"), job.get("sample.seed"), job.get("train.lr")) == \
+        (None, None, -1, "1e-4")

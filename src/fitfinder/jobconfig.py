@@ -399,7 +399,8 @@ _NUMBERS = {  # (low, high, low excluded)
     "model.layer_offloading_transformer_percent": (0, 1, False),
     "model.layer_offloading_text_encoder_percent": (0, 1, False),
 }
-_STRINGS = ("model.name_or_path", "network.type", "trigger_word", "training_folder")
+_STRINGS = ("model.name_or_path", "network.type", "training_folder")
+_OPTIONAL_TEXTS = ("sample.neg", "trigger_word")  # `neg:` left empty reads as null: no text
 _SWITCHES = ("train.gradient_checkpointing", "train.skip_first_sample", "train.disable_sampling",
              "train.cache_text_embeddings", "train.unload_text_encoder", "model.quantize", "model.quantize_te",
              "model.low_vram", "model.is_flux", "model.is_xl", "model.layer_offloading", "sample.walk_seed")
@@ -431,7 +432,8 @@ def _value_problems(job: JobFile) -> list[str]:
               f"a number {'above' if open_low else 'from'} {low} {'and at most' if open_low else 'to'} {high}")
     for path in _STRINGS:
         check(path, lambda v: isinstance(v, str) and v.strip() != "", "a text")
-    check("sample.neg", lambda v: isinstance(v, str), "a text")
+    for path in _OPTIONAL_TEXTS:
+        check(path, lambda v: v is None or isinstance(v, str), "a text")
     for path in _SWITCHES:
         check(path, lambda v: isinstance(v, bool), "true or false")
     check("sample.prompts", lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v),
