@@ -382,17 +382,17 @@ def _structure_problems(data: Any) -> list[str]:
 
 # Sane ranges of the numbers fitfinder reads (inclusive). Past them a value is a typo, and some
 # would hang the search: the batch's divisors, a million frames, a 10^10 pixel bucket.
-PIXELS = (1, 16384)
+PIXELS, RANKS, FRAMES = (1, 16384), (1, 4096), (1, 10_000)
 _INTEGERS = {
-    "network.linear": (1, 4096), "network.rank": (1, 4096),
+    "network.linear": RANKS, "network.rank": RANKS,
     "train.batch_size": (1, 10_000), "train.gradient_accumulation": (1, 10_000),
     "train.gradient_accumulation_steps": (1, 10_000), "train.switch_boundary_every": (1, 1_000_000),
     "train.steps": (1, 100_000_000), "sample.width": PIXELS, "sample.height": PIXELS,
-    "sample.sample_steps": (1, 10_000), "sample.num_frames": (1, 10_000),
+    "sample.sample_steps": (1, 10_000), "sample.num_frames": FRAMES,
     "sample.sample_every": (1, 100_000_000), "sample.seed": (-(2**63), 2**63 - 1),
     "save.save_every": (1, 100_000_000),
 }
-_DATASET_INTEGERS = {"num_frames": (1, 10_000), "bucket_tolerance": (1, 4096), "num_repeats": (1, 1_000_000)}
+_DATASET_INTEGERS = {"num_frames": FRAMES, "bucket_tolerance": (1, 4096), "num_repeats": (1, 1_000_000)}
 _NUMBERS = {  # (low, high, low excluded)
     "network.linear_alpha": (0, 1e6, True), "network.alpha": (0, 1e6, True),
     "sample.guidance_scale": (0, 100, False), "train.lr": (0, 10, True),
@@ -426,7 +426,7 @@ def _value_problems(job: JobFile) -> list[str]:
     if not job.has("network.linear") and not job.has("network.rank"):
         problems.append(f"{p}network.linear: missing; fitfinder tunes LoRA jobs (set the LoRA rank)")
     for path, (low, high) in _INTEGERS.items():
-        check(path, lambda v, low=low, high=high: _int_in(v, low, high), _integers(low, high))
+        check(path, lambda v, low=low, high=high: int_in(v, low, high), _integers(low, high))
     for path, (low, high, open_low) in _NUMBERS.items():
         check(path, lambda v, low=low, high=high, open_low=open_low: _number_in(v, low, high, open_low),
               f"a number {'above' if open_low else 'from'} {low} {'and at most' if open_low else 'to'} {high}")
@@ -440,8 +440,8 @@ def _value_problems(job: JobFile) -> list[str]:
           "a list of prompts (texts)")
     problems += _dataset_problems(job, check)
 
-    if (_int_in(job.get("train.gradient_accumulation"), 1, 10_000)
-            and _int_in(job.get("train.gradient_accumulation_steps"), 1, 10_000)
+    if (int_in(job.get("train.gradient_accumulation"), 1, 10_000)
+            and int_in(job.get("train.gradient_accumulation_steps"), 1, 10_000)
             and job.get("train.gradient_accumulation") > 1 and job.get("train.gradient_accumulation_steps") > 1):
         problems.append(f"{p}train.gradient_accumulation: AI Toolkit refuses it together with "
                         "gradient_accumulation_steps; keep one of them")
@@ -470,7 +470,7 @@ def _dataset_problems(job: JobFile, check) -> list[str]:
         check(f"datasets[{i}].resolution", _resolution_ok,
               f"a positive integer or a non-empty list of positive integers (pixels, at most {PIXELS[1]})")
         for key, (low, high) in _DATASET_INTEGERS.items():
-            check(f"datasets[{i}].{key}", lambda v, low=low, high=high: _int_in(v, low, high), _integers(low, high))
+            check(f"datasets[{i}].{key}", lambda v, low=low, high=high: int_in(v, low, high), _integers(low, high))
         for key in ("cache_latents", "cache_latents_to_disk"):
             check(f"datasets[{i}].{key}", lambda v: isinstance(v, bool), "true or false")
         for key in ("folder_path", "caption_ext"):
@@ -556,7 +556,8 @@ def _integers(low: int, high: int) -> str:
     return f"a positive integer (at most {high})" if low == 1 else f"an integer from {low} to {high}"
 
 
-def _int_in(value: Any, low: int, high: int) -> bool:
+def int_in(value: Any, low: int, high: int) -> bool:
+    """An integer (not a bool) from low to high."""
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
@@ -575,8 +576,8 @@ def _number_in(value: Any, low: float, high: float, open_low: bool) -> bool:
 
 def _resolution_ok(value: Any) -> bool:
     if isinstance(value, list):
-        return bool(value) and all(_int_in(v, *PIXELS) for v in value)
-    return _int_in(value, *PIXELS)
+        return bool(value) and all(int_in(v, *PIXELS) for v in value)
+    return int_in(value, *PIXELS)
 
 
 def brief(value: Any, room: int = 60) -> str:

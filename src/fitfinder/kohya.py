@@ -284,7 +284,7 @@ def _prompts(job: JobFile, trainer: Trainer, args: dict, rows: list[Mapping]) ->
     width, height = int(job.get("sample.width")), int(job.get("sample.height"))
     steps, guidance = int(job.get("sample.sample_steps")), float(job.get("sample.guidance_scale"))
     frames, negative = int(job.get("sample.num_frames")), str(job.get("sample.neg", "") or "")
-    lines, dashes = [], False
+    lines = []
     negative, dashes = _prompt_text(negative)
     for i, prompt in enumerate(job.get("sample.prompts")):
         text, cut = _prompt_text(prompt.replace("[trigger]", trigger))

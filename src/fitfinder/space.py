@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from fitfinder.errors import ConfigError
-from fitfinder.jobconfig import AITK_DEFAULTS, PIXELS, JobFile, brief
+from fitfinder.jobconfig import AITK_DEFAULTS, FRAMES, PIXELS, RANKS, JobFile, brief, int_in
 
 Point = dict[str, Any]  # knob name -> one of its candidates (a JSON scalar)
 
@@ -237,7 +237,7 @@ def _buckets(job: JobFile, override: list | None, video: bool) -> Knob:
         sets = [desired]
         for entry in override:
             entry = entry if isinstance(entry, list) else [entry]
-            if not entry or not all(_int_in(v, *PIXELS) for v in entry):
+            if not entry or not all(int_in(v, *PIXELS) for v in entry):
                 raise ValueError(f"expected bucket lists of positive integers (at most {PIXELS[1]}), "
                                  f"got {brief(entry)}")
             sets.append(sorted(set(entry)))
@@ -270,7 +270,7 @@ def _frames(job: JobFile, override: list | None, video: bool) -> Knob | None:
     if not video and desired == 1:
         return None
     values = frame_ladder(desired) if override is None else _with_desired(
-        override, desired, lambda v: _int_in(v, 1, MAX_FRAMES), f"frame counts from 1 to {MAX_FRAMES}")
+        override, desired, lambda v: int_in(v, *FRAMES), f"frame counts from 1 to {FRAMES[1]}")
     return Knob("frames", "quality", tuple(sorted(values)), desired, ("datasets[*].num_frames",), _DATA)
 
 
@@ -296,8 +296,8 @@ def _rank(job: JobFile, override: list | None, video: bool) -> Knob:
     if override is None:
         values = [2**i for i in range(0, 16) if MIN_RANK <= 2**i < desired] + [desired]
     else:
-        values = _with_desired(override, desired, lambda v: _int_in(v, 1, MAX_RANK),
-                               f"ranks from 1 to {MAX_RANK}")
+        values = _with_desired(override, desired, lambda v: int_in(v, *RANKS),
+                               f"ranks from 1 to {RANKS[1]}")
     return Knob("rank", "quality", tuple(sorted(set(values))), desired,
                 ("network.linear", "network.linear_alpha"), _ALL)
 
@@ -411,7 +411,7 @@ def _sample_frames(job: JobFile, override: list | None, video: bool) -> Knob | N
     if desired == 1 or job.get("train.disable_sampling"):
         return None
     values = frame_ladder(desired) if override is None else _with_desired(
-        override, desired, lambda v: _int_in(v, 1, MAX_FRAMES), f"frame counts from 1 to {MAX_FRAMES}")
+        override, desired, lambda v: int_in(v, *FRAMES), f"frame counts from 1 to {FRAMES[1]}")
     return Knob("sample_frames", "quality", tuple(sorted(values)), desired, ("sample.num_frames",), _PREVIEW)
 
 
@@ -446,7 +446,7 @@ def _batch(job: JobFile, override: list | None, video: bool) -> Knob:
     effective = desired * job.accumulation
     divisors = divisors_of(effective)
     if override is not None:
-        divisors = _with_desired(override, desired, lambda v: _int_in(v, 1, effective) and v in divisors,
+        divisors = _with_desired(override, desired, lambda v: int_in(v, 1, effective) and v in divisors,
                                  f"batch sizes that divide the effective batch {effective} (batch_size x accumulation)")
     return Knob("batch", "speed", tuple(sorted(set(divisors))), desired,
                 ("train.batch_size", "train.gradient_accumulation", "train.gradient_accumulation_steps"),
@@ -503,13 +503,6 @@ _LABELS: dict[str, Callable[[Any], str]] = {
     "sampling": lambda v: "on" if v else "off",
 }
 _SHORT = {"gradient_checkpointing": "gc", "sample_size": "sample", "text_encoder": "te"}
-
-
-MAX_RANK, MAX_FRAMES = 4096, 10_000  # as jobconfig bounds the job's own values
-
-
-def _int_in(value: Any, low: int, high: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
 def _plain(value: Any) -> Any:
