@@ -487,3 +487,14 @@ def test_the_checks_refuse_nothing_a_real_job_holds():
                           .replace("      training_folder:", "      trigger_word:\n      training_folder:"), "job.yaml")
     assert (job.get("sample.neg"), job.get("trigger_word"), job.get("sample.seed"), job.get("train.lr")) == \
         (None, None, -1, "1e-4")
+
+
+def test_the_batch_divisors_take_square_root_steps():
+    """`batch_size: 10000000000` hung the divisor loop; the job check refuses it now, and the loop
+    itself gives the same divisors as counting up, in sqrt(n) steps."""
+    from fitfinder.space import divisors_of
+
+    assert all(divisors_of(n) == [d for d in range(1, n + 1) if n % d == 0] for n in range(1, 2000))
+    started = time.monotonic()
+    assert divisors_of(10**10)[-3:] == [2 * 10**9, 5 * 10**9, 10**10]
+    assert time.monotonic() - started < 1
