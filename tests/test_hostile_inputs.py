@@ -496,5 +496,5 @@ def test_the_batch_divisors_take_square_root_steps():
 
     assert all(divisors_of(n) == [d for d in range(1, n + 1) if n % d == 0] for n in range(1, 2000))
     started = time.monotonic()
-    assert divisors_of(10**10)[-3:] == [2 * 10**9, 5 * 10**9, 10**10]
+    assert divisors_of(10**10)[-3:] == [2_500_000_000, 5_000_000_000, 10**10]
     assert time.monotonic() - started < 1
