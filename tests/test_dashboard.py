@@ -122,3 +122,110 @@ def test_dashboard_on_a_busy_port_is_one_line(demo_run):
         done = run_cli("dashboard", f"studies/{NAME}.db", "--port", str(port), cwd=folder)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
     assert f"--host 127.0.0.1 --port {port}: cannot listen there" in done.stderr
+
+
+# -- what a page on another site can do through the browser: nothing ------------------------------
+@pytest.fixture
+def served(tmp_path):
+    """A real study served by the dashboard on 127.0.0.1 (a free port), in this process."""
+    import threading
+
+    import optuna
+
+    from fitfinder import dashboard
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    url = f"sqlite:///{tmp_path / 'mine.db'}"
+    optuna.create_study(study_name="mine", storage=url)
+    server = dashboard.Dashboard(url, "127.0.0.1", 0)
+    thread = threading.Thread(target=server.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield server, url
+    finally:
+        server.server.shutdown()
+        server.server.server_close()
+
+
+def _request(port: int, method: str, path: str, **headers: str) -> tuple[int, str]:
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:  # a Host given here replaces the one http.client would write
+        connection.request(method, path, headers=headers)
+        response = connection.getresponse()
+        return response.status, response.read().decode("utf-8")
+    finally:
+        connection.close()
+
+
+def _study_names(url: str) -> list[str]:
+    import optuna
+
+    return [s.study_name for s in optuna.get_all_study_summaries(url)]
+
+
+def test_dashboard_refuses_a_foreign_host_and_a_foreign_origin(served):
+    server, url = served
+    port = server.port
+    ours = f"127.0.0.1:{port}"
+    assert _request(port, "GET", "/api/studies", Host=ours)[0] == 200
+    assert _request(port, "GET", "/api/studies", Host=f"localhost:{port}")[0] == 200
+    for host in ("attacker.example", f"attacker.example:{port}", "127.0.0.1", f"127.0.0.1:{port + 1}",
+                 f"localhost.attacker.example:{port}", f"10.0.0.1:{port}", ""):
+        status, body = _request(port, "GET", "/api/studies", Host=host)
+        assert (status, body.split(":")[0]) == (403, "fitfinder dashboard"), host
+    # DNS rebinding: the page's own name in Host; the study must survive the DELETE
+    status, body = _request(port, "DELETE", "/api/studies/1", Host=f"attacker.example:{port}")
+    assert status == 403 and "Host 'attacker.example" in body
+    assert _study_names(url) == ["mine"]
+    # the right Host but a write from another site's page (the browser adds its Origin)
+    status, body = _request(port, "DELETE", "/api/studies/1", Host=ours, Origin="http://attacker.example")
+    assert status == 403 and "Origin 'http://attacker.example' may not change" in body
+    assert _request(port, "POST", "/api/studies", Host=ours, Origin="null")[0] == 403
+    assert _study_names(url) == ["mine"]
+    # the dashboard's own page (its Origin), or a client that sends none (curl), may delete
+    status, _ = _request(port, "DELETE", "/api/studies/1", Host=ours, Origin=f"http://{ours}")
+    assert status == 204 and _study_names(url) == []
+
+
+def test_dashboard_host_rules():
+    from fitfinder.dashboard import LocalGuard
+
+    loopback, wildcard, v6 = LocalGuard(None, "127.0.0.1", 8080), LocalGuard(None, "0.0.0.0", 80), \
+        LocalGuard(None, "::1", 8080)
+    assert [loopback.host_ok(h) for h in ("127.0.0.1:8080", "LOCALHOST:8080", "[::1]:8080", "127.0.0.2:8080",
+                                          "evil.com:8080", "127.0.0.1:80", "127.0.0.1")] == \
+        [True, True, True, True, False, False, False]
+    assert [wildcard.host_ok(h) for h in ("192.168.1.7", "192.168.1.7:80", "[fe80::1]", "evil.com",
+                                          "192.168.1.7:8080")] == [True, True, True, False, False]
+    assert [v6.host_ok(h) for h in ("[::1]:8080", "localhost:8080", "[::1]", "::1:8080")] == \
+        [True, True, False, False]
+
+
+def test_dashboard_never_adds_tables_to_a_database_that_is_not_a_study(tmp_path):
+    from fitfinder import dashboard
+    from fitfinder.errors import UserError
+
+    theirs = tmp_path / "someone_elses.db"
+    with sqlite3.connect(theirs) as db:
+        db.execute("CREATE TABLE customers (id INTEGER)")
+        db.execute("CREATE TABLE studies (id INTEGER)")  # a name Optuna uses is not an Optuna storage
+    before = theirs.read_bytes()
+    for given in (str(theirs), f"sqlite:///{theirs}"):
+        with pytest.raises(UserError) as caught:
+            dashboard.storage_for(given, tmp_path)
+        assert str(caught.value) == (f"{given}: not an Optuna study database (made by `fitfinder search`); "
+                                     "give --create to add Optuna's tables to it")
+    missing = f"sqlite:///{tmp_path / 'new.db'}"
+    with pytest.raises(UserError) as caught:
+        dashboard.storage_for(missing, tmp_path)
+    assert str(caught.value) == f"{missing}: no such file; give --create to make a new study storage there"
+    assert theirs.read_bytes() == before and not (tmp_path / "new.db").exists()
+    # the command line says the same in one line, and leaves the file as it was
+    result = run_cli("dashboard", f"sqlite:///{theirs}", "--port", "0", cwd=tmp_path)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "not an Optuna study database" in result.stderr and "Traceback" not in result.stderr
+    assert theirs.read_bytes() == before
+    # --create: the user asked for it
+    assert dashboard.storage_for(missing, tmp_path, create=True) == (missing, missing)

@@ -167,3 +167,124 @@ def test_export_bad_input_is_one_line(tmp_path):
     assert missing.returncode == 2 and "results/demo_flux_lora/best.yaml: no such file" in missing.stderr
     for result in (bad_format, missing):
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+# -- hostile strings in every exported field: nothing reaches a shell or a config file unescaped -----
+HOSTILE = {
+    "newline_command": "x\ntouch pwned #",
+    "crlf_command": "x\r\ntouch pwned #",
+    "line_separator": "x\u2028touch pwned\u2029#",
+    "single_quotes": "x'; touch pwned; echo '",
+    "double_quotes": 'x"; touch pwned; echo "',
+    "dollar_paren": "$(touch pwned)",
+    "backticks": "`touch pwned`",
+    "ifs": "${IFS}touch${IFS}pwned;x",
+    "nul": "x\x00touch pwned",
+    "escape_sequence": "x\x1b]0;evil\x07\x1b[2J",
+    "toml_breakout": '"\n[evil]\nkey = "x',
+    "toml_backslash": "x\\\"\\nevil = 1",
+    "kohya_options": "x --n evil --w 1 --d 5",
+    "long": "$(touch pwned)" * 400,
+}
+# Where each field of the job lands in kohya's files (and so where an injection would try).
+FIELDS = ("config.name", "model.name_or_path", "network.type", "trigger_word", "training_folder",
+          "datasets[0].folder_path", "datasets[0].caption_ext", "sample.prompts", "sample.neg")
+STUB = "#!/bin/sh\nfor a in \"$@\"; do printf '%s\\n' \"$a\"; done >> \"$STUB_LOG\"\necho --- >> \"$STUB_LOG\"\n"
+
+
+def _hostile_job(text: str, field: str, value: str, tmp_path, file_name: str = "job.yaml"):
+    """The job with `value` in `field`, written out and read back as YAML (as best.yaml is)."""
+    job = jobconfig.loads(text, "job.yaml")
+    if field == "config.name":
+        job.data["config"]["name"] = value
+    elif field == "sample.prompts":
+        job.set("sample.prompts", ["[trigger] first", value])
+    else:
+        job.set(field, value)
+    path = tmp_path / file_name
+    path.write_text(job.dumps(), encoding="utf-8")
+    return jobconfig.load(path)
+
+
+def _run_script(script, tmp_path) -> list[list[str]]:
+    """kohya.sh under `env -i`, a stub trainer (accelerate, python) first on PATH: the argv of
+    each call. The real /usr/bin stays on PATH, so an injected `touch` would run."""
+    import subprocess
+
+    stubs, work = tmp_path / "stubs", tmp_path / "work"
+    stubs.mkdir(exist_ok=True)
+    work.mkdir(exist_ok=True)
+    for name in ("accelerate", "python"):
+        (stubs / name).write_text(STUB)
+        (stubs / name).chmod(0o755)
+    log = tmp_path / "argv.log"
+    checked = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+    env = [f"PATH={stubs}:/usr/bin:/bin", f"STUB_LOG={log}", "FLUX_MODEL=/m/flux", "CLIP_L=/m/clip", "T5XXL=/m/t5",
+           "AE=/m/ae", "WAN_DIT=/m/dit", "WAN_DIT_HIGH_NOISE=/m/dit_high", "WAN_VAE=/m/vae", "WAN_T5=/m/t5"]
+    ran = subprocess.run(["env", "-i", *env, "bash", str(script)], cwd=work, capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr
+    calls = log.read_text().split("---\n")[:-1]
+    return [call.splitlines() for call in calls]
+
+
+def _nothing_else_ran(tmp_path) -> None:
+    assert not list(tmp_path.rglob("pwned*")) and not list(tmp_path.rglob("evil*"))
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_hostile_strings_in_every_exported_field_stay_data(field, tmp_path):
+    for case, value in HOSTILE.items():
+        folder = tmp_path / case
+        folder.mkdir()
+        job = _hostile_job(FLUX_JOB, field, value, folder)
+        done = kohya.write(job, folder / "out")
+        calls = _run_script(folder / "out" / "kohya.sh", folder)
+        _nothing_else_ran(folder)
+        out = folder / "out"
+        assert calls == [["launch", "--num_cpu_threads_per_process", "1", "--mixed_precision", "bf16",
+                          "flux_train_network.py", "--config_file", f"{out}/kohya.toml",
+                          "--dataset_config", f"{out}/kohya_dataset.toml",
+                          "--pretrained_model_name_or_path", "/m/flux", "--clip_l", "/m/clip", "--t5xxl", "/m/t5",
+                          "--ae", "/m/ae", "--sample_prompts", f"{out}/kohya_prompts.txt"]], case
+        args = tomllib.loads((out / "kohya.toml").read_text(encoding="utf-8"))
+        assert set(args) == {"network", "training", "memory", "sampling", "saving"}, case
+        dataset = tomllib.loads((out / "kohya_dataset.toml").read_text(encoding="utf-8"))
+        assert set(dataset) == {"general", "datasets"}, case
+        subset = dataset["datasets"][0]["subsets"][0]
+        expected = {"config.name": (args["saving"]["output_name"], value),  # TOML holds the value exactly
+                    "training_folder": (args["saving"]["output_dir"], value),
+                    "datasets[0].folder_path": (subset["image_dir"], value),
+                    "datasets[0].caption_extension": (subset["caption_extension"], "." + value.lstrip("."))}
+        if field in expected:
+            assert expected[field][0] == expected[field][1], case
+        prompts = (out / "kohya_prompts.txt").read_text(encoding="utf-8").split("\n")
+        assert len(prompts) == 3 and prompts[2] == "", case  # two prompts, one line each
+        assert all(line.count(" --w ") == 1 and line.count(" --n ") <= 1 for line in prompts[:2]), case
+        assert "approximate" in {r.kind for r in done.rows}  # ' --' in a prompt is reported
+
+
+@pytest.mark.parametrize("file_name", ["x\ntouch pwned #.yaml", "$(touch pwned).yaml", "`touch pwned`.yaml",
+                                       "x'; touch pwned; '.yaml", "x\r\x1b[2J.yaml"])
+def test_a_hostile_job_file_name_stays_in_a_comment(file_name, tmp_path):
+    job = _hostile_job(WAN_JOB, "datasets[0].folder_path", "$(touch pwned)\n/clips", tmp_path, file_name)
+    kohya.write(job, tmp_path / "out")
+    calls = _run_script(tmp_path / "out" / "kohya.sh", tmp_path)
+    _nothing_else_ran(tmp_path)
+    assert [call[0] for call in calls] == ["src/musubi_tuner/wan_cache_latents.py",
+                                           "src/musubi_tuner/wan_cache_text_encoder_outputs.py", "launch"]
+    comments = [line for line in (tmp_path / "out" / "kohya.sh").read_text().splitlines() if "fitfinder found" in line]
+    assert len(comments) == 1 and comments[0].startswith("# musubi-tuner: train the LoRA")
+
+
+def test_export_files_take_the_mode_the_umask_gives(tmp_path):
+    import os
+
+    old = os.umask(0o027)
+    try:
+        kohya.write(jobconfig.loads(FLUX_JOB, "job.yaml"), tmp_path)
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert modes == {"kohya.toml": 0o640, "kohya_dataset.toml": 0o640, "kohya_prompts.txt": 0o640,
+                     "kohya.sh": 0o750}

@@ -7,6 +7,7 @@ FITFINDER_DEBUG=1 to see the traceback instead.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 import sys
@@ -42,7 +43,9 @@ def _friendly(command):
         except (UserError, RunFailed) as exc:
             if os.environ.get("FITFINDER_DEBUG"):
                 raise
-            print(f"fitfinder: {'error: ' if isinstance(exc, UserError) else ''}{exc}", file=sys.stderr)
+            from fitfinder.jobconfig import one_line  # a message quoting user text stays one line
+
+            print(f"fitfinder: {'error: ' if isinstance(exc, UserError) else ''}{one_line(exc, 4000)}", file=sys.stderr)
             raise typer.Exit(exc.exit_code)
         except KeyboardInterrupt:
             print("fitfinder: interrupted; run the same command again to resume", file=sys.stderr)
@@ -98,6 +101,7 @@ def search(
         for index in gpus:
             preflight.ensure_clean(index, job.settings.vram_bytes, out, force=force)
     name = _study_name(study or job.name)
+    _check_outputs(job, job_file, results_dir / name, None if storage else studies_dir)
     options = searching.SearchOptions(study_name=name, meter=meter, gpu=gpus[0], storage=storage,
                                       studies_dir=studies_dir, results_dir=results_dir, workers=workers,
                                       gpus=tuple(gpus) if meter == "cuda" and len(gpus) > 1 else (),
@@ -148,7 +152,7 @@ def probe(
     from fitfinder.units import format_bytes
 
     out = Output(json_output)
-    job = _load(job_file, vram=vram, probe_steps=steps, timeout=timeout)
+    job = _load(job_file, vram=vram, probe_steps=steps, timeout=timeout, names={"probe_steps": "--steps"})
     meter, gpus = _meter(gpu, job, out, need_budget=False)
     gpu_index = gpus[0]
     request = probing.request_for(job, job.settings.probe_steps, meter, job.settings.vram_bytes, gpu_index)
@@ -337,8 +341,10 @@ def report(
     from fitfinder.output import Output
 
     out = Output(json_output)
+    _check_name(name)
     view = reporting.open_study(name, studies_dir, storage, job)
     out_dir = results_dir / name
+    reporting.check_output_dir(out_dir, "--results-dir")
     trials_csv = reporting.write_trials_csv(view.study, view.space, out_dir / "trials.csv")
     summary = reporting.summary_of(view, out_dir)
     paths = reporting.write_report(view.study, view.space, view.known, out_dir, summary)
@@ -361,6 +367,7 @@ def export(
     from fitfinder.output import Output
 
     out = Output(json_output)
+    _check_name(name)
     if fmt != "kohya":
         raise UserError(f"--format: expected kohya, got {fmt!r} (the AI Toolkit job file is results/NAME/best.yaml)")
     best = results_dir / name / "best.yaml"
@@ -388,6 +395,8 @@ def dashboard(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; 0.0.0.0 offers it to the network."),
     port: int = typer.Option(8080, "--port", help="Port to listen on; 0 picks a free one."),
     studies_dir: Path = StudiesDirOpt,
+    create: bool = typer.Option(False, "--create", help="Add Optuna's tables to a storage that has none "
+                                                        "[refused: it may be someone else's database]."),
 ) -> None:
     """Serve the Optuna dashboard of a study on this machine; Ctrl-C stops it."""
     from fitfinder import dashboard as dashboards
@@ -396,7 +405,7 @@ def dashboard(
     out = Output()
     if not 0 <= port <= 65535:
         raise UserError(f"--port: must be between 0 and 65535, got {port}")
-    url, shown = dashboards.storage_for(study_db, studies_dir)
+    url, shown = dashboards.storage_for(study_db, studies_dir, create)
     server = dashboards.Dashboard(url, host, port)
     if host not in ("127.0.0.1", "localhost", "::1"):
         out.note(f"listening on {host}: whoever can reach this machine can read, edit and delete the study")
@@ -407,30 +416,58 @@ def dashboard(
 
 # -- shared option handling -----------------------------------------------------------------------
 def _short(value) -> str:
-    text = str(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+    from fitfinder.jobconfig import one_line
+
+    return one_line(value, 40)
 
 
-def _load(job_file: Path, vram: Optional[str] = None, **options):
-    """Read and validate the job file, then let command-line options win over `fitfinder:`."""
+def _load(job_file: Path, vram: Optional[str] = None, names: Optional[dict] = None, **options):
+    """Read and validate the job file, then let command-line options win over `fitfinder:`
+    (`names`: an option's name where it is not --key-with-dashes)."""
     from fitfinder import jobconfig
-    from fitfinder.units import parse_bytes
+    from fitfinder.units import parse_budget
 
     job = jobconfig.load(job_file)
-    _check_options(options)
+    _check_options(options, names or {})
     overrides = {key: value for key, value in options.items() if key != "timeout"}
     overrides["probe_timeout"] = options.get("timeout")
-    overrides["vram_bytes"] = parse_bytes(vram, "--vram") if vram is not None else None
+    overrides["vram_bytes"] = parse_budget(vram, "--vram") if vram is not None else None
     job.settings = job.settings.with_options(**overrides)
     return job
 
 
-def _check_options(options: dict) -> None:
-    if options.get("margin") is not None and not 0 <= options["margin"] < 0.9:
-        raise UserError(f"--margin: must be between 0 and 0.9, got {options['margin']}")
-    for key in ("trials", "probe_steps", "timeout"):
-        if options.get(key) is not None and options[key] <= 0:
-            raise UserError(f"--{key.replace('_', '-')}: must be positive, got {options[key]}")
+def _check_outputs(job, job_file: Path, out_dir: Path, studies_dir: Optional[Path]) -> None:
+    """What would fail only after the probes, refused before anything is written: the space,
+    the model's weights, the job file being the winner it would overwrite, an output folder that
+    cannot be written."""
+    from fitfinder import models, report, space
+
+    space.build(job)  # bad candidates
+    models.model_spec(job)  # a missing model folder, an unknown family
+    if job_file.resolve() == (out_dir / "best.yaml").resolve():
+        raise UserError(f"{job_file}: is the winner this search would write; copy it elsewhere and search the copy")
+    report.check_output_dir(out_dir, "--results-dir")
+    if studies_dir is not None:
+        report.check_output_dir(studies_dir, "--studies-dir")
+
+
+# The command line's numbers, in the same ranges as the `fitfinder:` section's.
+_OPTION_RANGES = {"trials": (1, 100_000), "probe_steps": (1, 100_000), "timeout": (1, 86_400)}
+
+
+def _check_options(options: dict, names: dict) -> None:
+    """Finite numbers in sane ranges; NaN compares false with everything, so it is named first."""
+    margin = options.get("margin")
+    if margin is not None and not (math.isfinite(margin) and 0 <= margin < 0.9):
+        raise UserError(f"--margin: must be between 0 and 0.9, got {margin}")
+    for key, (low, high) in _OPTION_RANGES.items():
+        value, option = options.get(key), names.get(key, f"--{key.replace('_', '-')}")
+        if value is None:
+            continue
+        if not math.isfinite(value) or value <= 0:
+            raise UserError(f"{option}: must be positive, got {value}")
+        if not low <= value <= high:
+            raise UserError(f"{option}: must be between {low} and {high}, got {value}")
 
 
 def _meter(gpu: Optional[str], job, out, need_budget: bool = True) -> tuple[str, list[int]]:
@@ -470,13 +507,48 @@ def cuda_device_count() -> int:
         return 0
 
 
+MAX_NAME = 100  # studies/NAME.db and results/NAME/ must stay file names (255 bytes at most)
+
+
 def _study_name(name: str) -> str:
     """A name safe as a file name: studies/NAME.db, results/NAME/."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") or "study"
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") or "study"
+    if len(safe) > MAX_NAME:
+        raise UserError(f"study name {safe[:20]}...: {len(safe)} characters, at most {MAX_NAME}; "
+                        "shorten config.name or give --study NAME")
+    return safe
 
 
-def main() -> None:
-    app()
+def _check_name(name: str) -> None:
+    """A study NAME given on the command line names studies/NAME.db and results/NAME/: one file
+    name, as search makes them, so `../elsewhere` cannot read or write outside those folders."""
+    if _study_name(name) != name:
+        raise UserError(f"{_short(name)}: not a study name; search names them with letters, digits, _ . and - "
+                        f"(studies there: {', '.join(p.stem for p in sorted(Path('studies').glob('*.db'))) or 'none'})")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """The `fitfinder` command. A usage error (an unknown option, `--trials abc`) is one line and
+    exit code 2 like every other bad input, not click's four-line usage block."""
+    try:  # typer 0.22+ carries its own copy of click
+        from typer._click import exceptions as click
+    except ImportError:
+        from click import exceptions as click
+
+    try:
+        code = app(args=argv, standalone_mode=False)
+    except click.NoArgsIsHelpError as exc:  # `fitfinder` alone: the help, as before
+        print(exc.ctx.get_help() if exc.ctx else exc.format_message())
+        sys.exit(2)
+    except click.UsageError as exc:
+        if os.environ.get("FITFINDER_DEBUG"):
+            raise
+        from fitfinder.jobconfig import one_line
+
+        where = f"; see `{exc.ctx.command_path} --help`" if exc.ctx else ""
+        print(f"fitfinder: error: {one_line(exc.format_message(), 300).rstrip('.')}{where}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

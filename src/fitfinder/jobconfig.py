@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 import os
 import re
 import tempfile
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fitfinder.errors import ConfigError, UserError
-from fitfinder.units import parse_bytes
+from fitfinder.units import parse_budget
 
 # AI Toolkit's defaults for the keys that decide memory (its toolkit/config_modules.py).
 AITK_DEFAULTS: dict[str, Any] = {
@@ -204,7 +205,7 @@ class JobFile:
         yaml = _yaml()
         yaml.explicit_start = self.explicit_start
         yaml.dump(data, stream)
-        lines = [f"# {line}".rstrip() for line in (header or [])]
+        lines = [f"# {one_line(line, 1000)}".rstrip() for line in (header or [])]  # a newline would add YAML
         return "\n".join(lines) + ("\n" if lines else "") + stream.getvalue()
 
     def write(self, path: str | Path, header: list[str] | None = None) -> Path:
@@ -216,18 +217,53 @@ class JobFile:
         return path
 
 
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write through a temporary file in the same folder and rename it into place."""
+def write_atomic(path: str | Path, text: str, mode: int = 0o666) -> None:
+    """Write through a temporary file in the same folder and rename it into place, with the mode
+    `open` would give (`mode` less the umask: mkstemp's own 0600 would hide results from others).
+    A folder or disk that refuses the write is one UserError naming the file and the reason."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    except OSError as exc:
+        raise UserError(f"{path}: cannot write it ({_reason(exc)}); give another output folder") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
+        os.chmod(tmp, mode & ~_umask())
         os.replace(tmp, path)
+    except OSError as exc:  # a full disk, a folder in the way of the file
+        Path(tmp).unlink(missing_ok=True)
+        raise UserError(f"{path}: cannot write it ({_reason(exc)})") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _reason(exc: OSError) -> str:
+    return exc.strerror or type(exc).__name__
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux says it (threads may be writing)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+# A job file is a few KiB; 1 MiB leaves room for hundreds of prompts. Past it, parsing and the
+# search's copies of the file take minutes (measured: 50 MB took 50 s to parse).
+MAX_JOB_BYTES = 1 << 20
+# Values in the file once its aliases are expanded: an alias bomb (`&a [*b, *b, ...]` nested)
+# is a few lines that expand to billions of values when anything walks or prints it.
+MAX_VALUES = 10_000
+MAX_DEPTH = 50
 
 
 def load(path: str | Path) -> JobFile:
@@ -237,20 +273,49 @@ def load(path: str | Path) -> JobFile:
         raise UserError(f"{path}: no such file; give the path of an AI Toolkit job file (.yaml)")
     if path.is_dir():
         raise UserError(f"{path}: is a folder; give the path of an AI Toolkit job file (.yaml)")
-    text = path.read_text(encoding="utf-8", errors="replace")
-    return loads(text, str(path))
+    if not path.is_file():  # a FIFO would block the open, /dev/zero never ends
+        raise UserError(f"{path}: not a regular file; give the path of an AI Toolkit job file (.yaml)")
+    try:
+        with path.open("rb") as handle:
+            raw = handle.read(MAX_JOB_BYTES + 1)  # a FIFO or /dev/zero must not be read to the end
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read it ({exc.strerror or type(exc).__name__})") from None
+    if len(raw) > MAX_JOB_BYTES:
+        raise UserError(f"{path}: larger than 1 MiB; an AI Toolkit job file is a few KiB")
+    return loads(_decode(raw, path), str(path))
+
+
+def _decode(raw: bytes, path: Path) -> str:
+    """UTF-8, refused otherwise: a replacement character would end up in best.yaml as if it were the name."""
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise UserError(f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} on line {line}); "
+                        "save the job file as UTF-8") from None
 
 
 def loads(text: str, source: str = "<job>") -> JobFile:
     from ruamel.yaml.error import YAMLError
 
+    if len(text) > MAX_JOB_BYTES:
+        raise UserError(f"{source}: larger than 1 MiB; an AI Toolkit job file is a few KiB")
+    if _flow_depth(text) > MAX_DEPTH:  # ruamel's scanner is quadratic in it: 3000 `[` took 12 s
+        raise UserError(f"{source}: nested more than {MAX_DEPTH} levels deep")
     try:
         data = _yaml().load(text)
     except YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise UserError(f"{source}: not valid YAML{where}: {problem}") from None
+        raise UserError(f"{source}: not valid YAML{where}: {one_line(problem, 200)}") from None
+    except RecursionError:
+        raise UserError(f"{source}: not valid YAML: nested too deeply") from None
+    except (ValueError, TypeError) as exc:  # a 5000-digit integer, a list used as a key
+        raise UserError(f"{source}: not valid YAML: {one_line(str(exc), 120)}") from None
+    size_problem = _size_problem(data)
+    if size_problem:
+        raise UserError(f"{source}: {size_problem}")
     problems = _structure_problems(data)
     if problems:
         raise ConfigError(source, problems)
@@ -262,6 +327,38 @@ def loads(text: str, source: str = "<job>") -> JobFile:
     if problems:
         raise ConfigError(source, problems)
     return job
+
+
+def _flow_depth(text: str) -> int:
+    """How deep `[` and `{` nest, counted on the brackets alone (quotes are not told apart: a
+    prompt would need 50 unclosed brackets to be miscounted)."""
+    depth = deepest = 0
+    for bracket in re.sub(r"[^\[\]{}]+", "", text):
+        depth = depth + 1 if bracket in "[{" else max(0, depth - 1)
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def _size_problem(data: Any) -> str | None:
+    """Walk the values as they read once aliases are expanded, stopping at the budget: of values,
+    and of text (a 900 KiB string referenced 9000 times is 8 GB once anything copies each)."""
+    stack, seen, chars = [(data, 0)], 0, 0
+    while stack:
+        node, depth = stack.pop()
+        seen += 1
+        chars += len(node) if isinstance(node, str) else 0
+        if seen > MAX_VALUES:
+            return (f"more than {MAX_VALUES} values once its aliases (*name) are expanded; "
+                    "a job file holds a few hundred")
+        if chars > 2 * MAX_JOB_BYTES:
+            return "more than 2 MiB of text once its aliases (*name) are expanded"
+        if depth > MAX_DEPTH:
+            return f"nested more than {MAX_DEPTH} levels deep"
+        if isinstance(node, dict):
+            stack.extend((value, depth + 1) for value in node.values())
+        elif isinstance(node, list):
+            stack.extend((value, depth + 1) for value in node)
+    return None
 
 
 # -- validation ------------------------------------------------------------------------------
@@ -283,8 +380,34 @@ def _structure_problems(data: Any) -> list[str]:
     return problems
 
 
+# Sane ranges of the numbers fitfinder reads (inclusive). Past them a value is a typo, and some
+# would hang the search: the batch's divisors, a million frames, a 10^10 pixel bucket.
+PIXELS, RANKS, FRAMES = (1, 16384), (1, 4096), (1, 10_000)
+_INTEGERS = {
+    "network.linear": RANKS, "network.rank": RANKS,
+    "train.batch_size": (1, 10_000), "train.gradient_accumulation": (1, 10_000),
+    "train.gradient_accumulation_steps": (1, 10_000), "train.switch_boundary_every": (1, 1_000_000),
+    "train.steps": (1, 100_000_000), "sample.width": PIXELS, "sample.height": PIXELS,
+    "sample.sample_steps": (1, 10_000), "sample.num_frames": FRAMES,
+    "sample.sample_every": (1, 100_000_000), "sample.seed": (-(2**63), 2**63 - 1),
+    "save.save_every": (1, 100_000_000),
+}
+_DATASET_INTEGERS = {"num_frames": FRAMES, "bucket_tolerance": (1, 4096), "num_repeats": (1, 1_000_000)}
+_NUMBERS = {  # (low, high, low excluded)
+    "network.linear_alpha": (0, 1e6, True), "network.alpha": (0, 1e6, True),
+    "sample.guidance_scale": (0, 100, False), "train.lr": (0, 10, True),
+    "model.layer_offloading_transformer_percent": (0, 1, False),
+    "model.layer_offloading_text_encoder_percent": (0, 1, False),
+}
+_STRINGS = ("model.name_or_path", "network.type", "training_folder")
+_OPTIONAL_TEXTS = ("sample.neg", "trigger_word")  # `neg:` left empty reads as null: no text
+_SWITCHES = ("train.gradient_checkpointing", "train.skip_first_sample", "train.disable_sampling",
+             "train.cache_text_embeddings", "train.unload_text_encoder", "model.quantize", "model.quantize_te",
+             "model.low_vram", "model.is_flux", "model.is_xl", "model.layer_offloading", "sample.walk_seed")
+
+
 def _value_problems(job: JobFile) -> list[str]:
-    """Type and range of every memory-relevant key, all problems at once."""
+    """Type and range of every key fitfinder reads or exports, all problems at once."""
     p = "config.process[0]."
     problems: list[str] = []
 
@@ -292,48 +415,36 @@ def _value_problems(job: JobFile) -> list[str]:
         if job.has(path):
             value = job.get(path)
             if not ok(value):
-                problems.append(f"{p}{path}: expected {expected}, got {value!r}")
+                problems.append(f"{p}{path}: expected {expected}, got {brief(value)}")
 
-    for section in ("network", "train", "model", "sample"):
+    for section in ("network", "train", "model", "sample", "save"):
         if job.has(section) and not isinstance(job.get(section), dict):
-            problems.append(f"{p}{section}: expected a mapping, got {job.get(section)!r}")
+            problems.append(f"{p}{section}: expected a mapping, got {brief(job.get(section))}")
     if problems:
         return problems
 
     if not job.has("network.linear") and not job.has("network.rank"):
         problems.append(f"{p}network.linear: missing; fitfinder tunes LoRA jobs (set the LoRA rank)")
-    check("network.linear", _positive_int, "a positive integer (LoRA rank)")
-    check("network.rank", _positive_int, "a positive integer (LoRA rank)")
-    check("network.linear_alpha", _positive_number, "a positive number")
-    check("network.alpha", _positive_number, "a positive number")
+    for path, (low, high) in _INTEGERS.items():
+        check(path, lambda v, low=low, high=high: int_in(v, low, high), _integers(low, high))
+    for path, (low, high, open_low) in _NUMBERS.items():
+        check(path, lambda v, low=low, high=high, open_low=open_low: _number_in(v, low, high, open_low),
+              f"a number {'above' if open_low else 'from'} {low} {'and at most' if open_low else 'to'} {high}")
+    for path in _STRINGS:
+        check(path, lambda v: isinstance(v, str) and v.strip() != "", "a text")
+    for path in _OPTIONAL_TEXTS:
+        check(path, lambda v: v is None or isinstance(v, str), "a text")
+    for path in _SWITCHES:
+        check(path, lambda v: isinstance(v, bool), "true or false")
+    check("sample.prompts", lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v),
+          "a list of prompts (texts)")
+    problems += _dataset_problems(job, check)
 
-    datasets = job.process.get("datasets")
-    if not isinstance(datasets, list) or not datasets:
-        problems.append(f"{p}datasets: missing or empty; expected a list of datasets with `resolution`")
-    else:
-        for i, dataset in enumerate(datasets):
-            if not isinstance(dataset, dict):
-                problems.append(f"{p}datasets[{i}]: expected a mapping, got {dataset!r}")
-                continue
-            check(f"datasets[{i}].resolution", _resolution_ok,
-                  "a positive integer or a non-empty list of positive integers (pixels)")
-            check(f"datasets[{i}].num_frames", _positive_int, "a positive integer")
-
-    check("train.batch_size", _positive_int, "a positive integer")
-    check("train.gradient_accumulation", _positive_int, "a positive integer")
-    check("train.gradient_accumulation_steps", _positive_int, "a positive integer")
-    if (_positive_int(job.get("train.gradient_accumulation"))
-            and _positive_int(job.get("train.gradient_accumulation_steps"))
+    if (int_in(job.get("train.gradient_accumulation"), 1, 10_000)
+            and int_in(job.get("train.gradient_accumulation_steps"), 1, 10_000)
             and job.get("train.gradient_accumulation") > 1 and job.get("train.gradient_accumulation_steps") > 1):
         problems.append(f"{p}train.gradient_accumulation: AI Toolkit refuses it together with "
                         "gradient_accumulation_steps; keep one of them")
-    for key in ("train.gradient_checkpointing", "train.skip_first_sample", "train.disable_sampling",
-                "train.cache_text_embeddings", "train.unload_text_encoder", "model.quantize",
-                "model.quantize_te", "model.low_vram", "model.is_flux", "model.is_xl"):
-        check(key, lambda v: isinstance(v, bool), "true or false")
-    for i in range(len(datasets) if isinstance(datasets, list) else 0):
-        for key in ("cache_latents", "cache_latents_to_disk"):
-            check(f"datasets[{i}].{key}", lambda v: isinstance(v, bool), "true or false")
     check("train.dtype", lambda v: str(v).lower() in DTYPES, "one of bf16, fp16, fp32")
     check("train.optimizer", lambda v: str(v).lower() in OPTIMIZERS,
           f"one of {', '.join(OPTIMIZERS)} (the optimizers fitfinder probes)")
@@ -343,12 +454,27 @@ def _value_problems(job: JobFile) -> list[str]:
 
     check("model.arch", lambda v: isinstance(v, str) and v.split(":")[0].strip().lower() in ARCH_VALUES,
           f"one of {', '.join(ARCH_VALUES)} (the model families fitfinder probes)")
-    check("train.switch_boundary_every", _positive_int, "a positive integer")
-    check("sample.guidance_scale", lambda v: _positive_number(v) or v == 0, "a number >= 0")
-    check("train.steps", _positive_int, "a positive integer")
-    check("model.name_or_path", lambda v: isinstance(v, str) and v.strip(), "a model name or folder")
-    for key in ("sample.width", "sample.height", "sample.sample_steps", "sample.num_frames"):
-        check(key, _positive_int, "a positive integer")
+    return problems
+
+
+def _dataset_problems(job: JobFile, check) -> list[str]:
+    p = "config.process[0]."
+    datasets = job.process.get("datasets")
+    if not isinstance(datasets, list) or not datasets:
+        return [f"{p}datasets: missing or empty; expected a list of datasets with `resolution`"]
+    problems = []
+    for i, dataset in enumerate(datasets):
+        if not isinstance(dataset, dict):
+            problems.append(f"{p}datasets[{i}]: expected a mapping, got {brief(dataset)}")
+            continue
+        check(f"datasets[{i}].resolution", _resolution_ok,
+              f"a positive integer or a non-empty list of positive integers (pixels, at most {PIXELS[1]})")
+        for key, (low, high) in _DATASET_INTEGERS.items():
+            check(f"datasets[{i}].{key}", lambda v, low=low, high=high: int_in(v, low, high), _integers(low, high))
+        for key in ("cache_latents", "cache_latents_to_disk"):
+            check(f"datasets[{i}].{key}", lambda v: isinstance(v, bool), "true or false")
+        for key in ("folder_path", "caption_ext"):
+            check(f"datasets[{i}].{key}", lambda v: isinstance(v, str) and v.strip() != "", "a text")
     return problems
 
 
@@ -358,10 +484,10 @@ def _read_settings(section: Any) -> tuple[Settings, list[str]]:
     if section is None:
         return settings, []
     if not isinstance(section, dict):
-        return settings, [f"fitfinder: expected a mapping, got {section!r}"]
+        return settings, [f"fitfinder: expected a mapping, got {brief(section)}"]
     problems: list[str] = []
     readers = {
-        "vram": ("vram_bytes", lambda v: parse_bytes(v, "fitfinder.vram")),
+        "vram": ("vram_bytes", lambda v: parse_budget(v, "fitfinder.vram")),
         "margin": ("margin", lambda v: _in_range(v, 0.0, 0.9, "fitfinder.margin", float)),
         "probe_steps": ("probe_steps", lambda v: _in_range(v, 1, 100000, "fitfinder.probe_steps", int)),
         "probe_timeout": ("probe_timeout",
@@ -373,7 +499,7 @@ def _read_settings(section: Any) -> tuple[Settings, list[str]]:
     }
     for key, value in section.items():
         if key not in readers:
-            problems.append(f"fitfinder.{key}: unknown key; known keys are {', '.join(readers)}")
+            problems.append(f"fitfinder.{one_line(key, 60)}: unknown key; known keys are {', '.join(readers)}")
             continue
         attribute, read = readers[key]
         try:
@@ -384,38 +510,41 @@ def _read_settings(section: Any) -> tuple[Settings, list[str]]:
 
 
 def _in_range(value: Any, low: float, high: float, what: str, kind: type) -> Any:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-        raise UserError(f"{what}: expected {'an integer' if kind is int else 'a number'}, got {value!r}")
-    if not low <= value <= high:
-        raise UserError(f"{what}: must be between {low} and {high}, got {value!r}")
+    expected = f"{what}: expected {'an integer' if kind is int else 'a number'}, got {brief(value)}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UserError(expected)
+    if not (math.isfinite(value) and low <= value <= high):  # NaN compares false with both
+        raise UserError(f"{what}: must be between {low} and {high}, got {brief(value)}")
+    if kind is int and value != int(value):
+        raise UserError(expected)
     return kind(value)
 
 
 def _weights(value: Any) -> str:
     if value not in ("random", "pretrained"):
-        raise UserError(f"fitfinder.weights: expected `random` or `pretrained`, got {value!r}")
+        raise UserError(f"fitfinder.weights: expected `random` or `pretrained`, got {brief(value)}")
     return str(value)
 
 
 def _candidates(value: Any) -> dict[str, list]:
     if not isinstance(value, dict):
-        raise UserError(f"fitfinder.candidates: expected a mapping of knob name to a list, got {value!r}")
+        raise UserError(f"fitfinder.candidates: expected a mapping of knob name to a list, got {brief(value)}")
     out = {}
     for name, values in value.items():
         if name not in KNOB_NAMES:
-            raise UserError(f"fitfinder.candidates.{name}: unknown knob; known knobs are {', '.join(KNOB_NAMES)}")
+            raise UserError(f"fitfinder.candidates.{one_line(name, 60)}: unknown knob; known knobs are {', '.join(KNOB_NAMES)}")
         if not isinstance(values, list) or not values:
-            raise UserError(f"fitfinder.candidates.{name}: expected a non-empty list, got {values!r}")
+            raise UserError(f"fitfinder.candidates.{name}: expected a non-empty list, got {brief(values)}")
         out[str(name)] = _plain(values)
     return out
 
 
 def _priorities(value: Any) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise UserError(f"fitfinder.priorities: expected a list of knob names, got {value!r}")
+        raise UserError(f"fitfinder.priorities: expected a list of knob names, got {brief(value)}")
     unknown = [v for v in value if v not in KNOB_NAMES]
     if unknown:
-        raise UserError(f"fitfinder.priorities: unknown knob {unknown[0]!r}; known knobs are {', '.join(KNOB_NAMES)}")
+        raise UserError(f"fitfinder.priorities: unknown knob {brief(unknown[0])}; known knobs are {', '.join(KNOB_NAMES)}")
     return list(value)
 
 
@@ -423,14 +552,70 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def _positive_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+def _integers(low: int, high: int) -> str:
+    return f"a positive integer (at most {high})" if low == 1 else f"an integer from {low} to {high}"
+
+
+def int_in(value: Any, low: int, high: int) -> bool:
+    """An integer (not a bool) from low to high."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _number_in(value: Any, low: float, high: float, open_low: bool) -> bool:
+    """A finite number in range; a text such as "1e-4" counts (PyYAML, which AI Toolkit reads
+    with, takes 1e-4 for a text, and AI Toolkit converts it)."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return False
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return (low < value if open_low else low <= value) and value <= high
 
 
 def _resolution_ok(value: Any) -> bool:
     if isinstance(value, list):
-        return bool(value) and all(_positive_int(v) for v in value)
-    return _positive_int(value)
+        return bool(value) and all(int_in(v, *PIXELS) for v in value)
+    return int_in(value, *PIXELS)
+
+
+def brief(value: Any, room: int = 60) -> str:
+    """A value as an error message shows it: one line, at most `room` characters, and never
+    the work of printing all of a large value (an alias bomb prints as gigabytes)."""
+    text = _brief(value, 2)
+    return text if len(text) <= room else text[:room - 3] + "..."
+
+
+def _brief(value: Any, depth: int) -> str:
+    if value is None or isinstance(value, bool):
+        return repr(value)
+    if isinstance(value, int):
+        return repr(int(value))  # YAML refuses integers past 4300 digits
+    if isinstance(value, float):
+        return repr(float(value))
+    if isinstance(value, str):
+        return repr(str(value)[:80])
+    if isinstance(value, (list, tuple)):
+        if depth == 0:
+            return f"[{len(value)} items]"
+        inner = ", ".join(_brief(v, depth - 1) for v in list(value[:4]))
+        return f"[{inner}{', ...' if len(value) > 4 else ''}]"
+    if isinstance(value, dict):
+        if depth == 0:
+            return f"{{{len(value)} keys}}"
+        items = list(value.items())[:3]
+        inner = ", ".join(f"{_brief(k, 0)}: {_brief(v, depth - 1)}" for k, v in items)
+        return f"{{{inner}{', ...' if len(value) > 3 else ''}}}"
+    return f"a {type(value).__name__}"
+
+
+def one_line(text: Any, room: int = 200) -> str:
+    """User text as one line of a comment or message: control characters (newlines, NUL, escape
+    sequences) shown escaped, at most `room` characters."""
+    text = str(text)[:room * 2]
+    shown = "".join(ch if ch.isprintable() or ch == " " else ascii(ch)[1:-1] for ch in text)
+    return shown if len(shown) <= room else shown[:room - 3] + "..."
 
 
 # -- YAML plumbing -----------------------------------------------------------------------------

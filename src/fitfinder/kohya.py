@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fitfinder.errors import UserError
-from fitfinder.jobconfig import JobFile, write_atomic
+from fitfinder.jobconfig import JobFile, one_line, write_atomic
 
 FILES = ("kohya.toml", "kohya_dataset.toml", "kohya_prompts.txt", "kohya.sh")
 
@@ -151,8 +151,7 @@ def write(job: JobFile, out_dir: Path) -> Export:
     else:
         prompts_path.unlink(missing_ok=True)  # a stale one from an earlier export would be read back
     files.append(out_dir / "kohya.sh")
-    write_atomic(files[-1], _command(job, trainer, extra, bool(prompts), dtype))
-    files[-1].chmod(0o755)
+    write_atomic(files[-1], _command(job, trainer, extra, bool(prompts), dtype), mode=0o777)
     return Export(trainer, files, rows)
 
 
@@ -285,11 +284,11 @@ def _prompts(job: JobFile, trainer: Trainer, args: dict, rows: list[Mapping]) ->
     width, height = int(job.get("sample.width")), int(job.get("sample.height"))
     steps, guidance = int(job.get("sample.sample_steps")), float(job.get("sample.guidance_scale"))
     frames, negative = int(job.get("sample.num_frames")), str(job.get("sample.neg", "") or "")
-    lines, dashes = [], False
+    lines = []
+    negative, dashes = _prompt_text(negative)
     for i, prompt in enumerate(job.get("sample.prompts")):
-        text = str(prompt).replace("[trigger]", trigger).replace("\n", " ").strip()
-        if " --" in text:  # kohya splits a prompt line at " --" into options
-            text, dashes = text.replace(" --", " -"), True
+        text, cut = _prompt_text(prompt.replace("[trigger]", trigger))
+        dashes = dashes or cut
         line = f"{text} --w {width} --h {height} --s {steps} --d {seed + i if walk else seed} "
         line += f"{trainer.guidance_flag} {_number(guidance)}"
         line += f" --f {frames}" if trainer.musubi else ""
@@ -302,12 +301,20 @@ def _prompts(job: JobFile, trainer: Trainer, args: dict, rows: list[Mapping]) ->
         rows.append(Mapping(setting, value, f"{option} in kohya_prompts.txt", "exact"))
     if dashes:
         rows.append(Mapping("sample.prompts", len(lines), "kohya_prompts.txt", "approximate",
-                            "' --' inside a prompt is written ' -': kohya would read it as an option"))
+                            "' --' inside a prompt or sample.neg is written ' -': kohya would read it as an option"))
     if trainer.musubi:
         rows.append(Mapping("sample.num_frames", frames, "--f in kohya_prompts.txt", "exact"))
     elif frames > 1:
         rows.append(Mapping("sample.num_frames", frames, "-", "none", "image trainer: no frames"))
     return lines
+
+
+def _prompt_text(text: str) -> tuple[str, bool]:
+    """A prompt as one line of kohya's prompt file: every line break (the ones Python and kohya
+    split on, \\r and U+2028 included) and control character becomes a space, and ` --` becomes
+    ` -` (kohya splits a line at ` --` into options). Also says whether a ` --` was there."""
+    flat = "".join(ch if ch.isprintable() else " " for ch in str(text)).strip()
+    return flat.replace(" --", " -"), " --" in flat
 
 
 def _dataset_config(job: JobFile, trainer: Trainer, rows: list[Mapping]) -> dict[str, Any]:
@@ -352,13 +359,16 @@ def _dataset_config(job: JobFile, trainer: Trainer, rows: list[Mapping]) -> dict
 
 
 def _command(job: JobFile, trainer: Trainer, extra: dict, prompts: bool, dtype: str) -> str:
+    """kohya.sh. Every value in a command is shlex-quoted and every text from the job in a comment
+    is one line (a newline in config.name would otherwise start a command of its own)."""
     q = shlex.quote
+    source, name = one_line(job.source), one_line(job.name)
     lines = ["#!/usr/bin/env bash",
-             f"# {trainer.repo}: train the LoRA fitfinder found for {job.source} (config {job.name}).",
+             f"# {trainer.repo}: train the LoRA fitfinder found for {source} (config {name}).",
              f"# Run from your {trainer.repo} checkout; set these to the model files first:"]
     lines += [f"#   {env}: {what}" for _, env, what in trainer.model_files]
-    lines += [f"# (the AI Toolkit job used {job.get('model.name_or_path', '') or '-'})", "set -euo pipefail",
-              'here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"']
+    lines += [f"# (the AI Toolkit job used {one_line(job.get('model.name_or_path', '') or '-')})",
+              "set -euo pipefail", 'here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"']
     lines += [f': "${{{env}:?set {env} to {what}}}"' for _, env, what in trainer.model_files]
     dataset = '--dataset_config "$here/kohya_dataset.toml"'
     files = {option: f'"${env}"' for option, env, _ in trainer.model_files}
@@ -368,7 +378,7 @@ def _command(job: JobFile, trainer: Trainer, extra: dict, prompts: bool, dtype: 
         else:
             fp8 = " --fp8_t5" if _quantize_te(job) else ""
             lines.append(f'python {q(script)} {dataset} --t5 {files["t5"]}{fp8}')
-    launch = [f"accelerate launch --num_cpu_threads_per_process 1 --mixed_precision {_PRECISION[dtype]} "
+    launch = [f"accelerate launch --num_cpu_threads_per_process 1 --mixed_precision {q(_PRECISION[dtype])} "
               f"{q(trainer.script)}", '--config_file "$here/kohya.toml"', dataset]
     launch += [f"--{option} {value}" for option, value in files.items()]
     if prompts:
@@ -473,41 +483,12 @@ def _read_sampling(args: dict[str, Any], prompts_path: Path) -> dict[str, Any]:
             **({"sample.num_frames": int(opts["f"])} if "f" in opts else {})}
 
 
-# -- a small TOML writer (the standard library only reads TOML) --------------------------------------
+# -- TOML, written by a TOML library: a newline or quote in a value stays inside its string ---------
 def _toml(sections: dict[str, Any], header: list[str]) -> str:
-    lines = [f"# {line}" for line in header] + [""]
-    for name, body in sections.items():
-        if isinstance(body, list):  # an array of tables: [[datasets]] with nested [[datasets.subsets]]
-            for entry in body:
-                lines += _table(f"[[{name}]]", entry, name)
-        elif body:
-            lines += _table(f"[{name}]", body, name)
-    return "\n".join(lines).rstrip() + "\n"
+    import tomli_w
 
-
-def _table(title: str, body: dict[str, Any], path: str) -> list[str]:
-    lines = [title]
-    nested = []
-    for key, value in body.items():
-        if isinstance(value, list) and value and isinstance(value[0], dict):
-            nested.append((key, value))
-        else:
-            lines.append(f"{key} = {_toml_value(value)}")
-    for key, entries in nested:
-        for entry in entries:
-            inner = _table(f"[[{path}.{key}]]", entry, f"{path}.{key}")
-            lines += [""] + [f"  {line}" if line else "" for line in inner]
-    return lines + [""]
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return json.dumps(str(value), ensure_ascii=False)  # JSON's string escapes are TOML basic-string escapes
+    body = {name: content for name, content in sections.items() if content}  # no empty [model] table
+    return "".join(f"# {one_line(line, 1000)}\n" for line in header) + "\n" + tomli_w.dumps(body)
 
 
 def _quantize_te(job: JobFile) -> bool:
@@ -524,4 +505,4 @@ def _number(value: float) -> str:
 
 
 def _show(value: Any) -> str:
-    return json.dumps(value) if isinstance(value, (list, dict, bool)) else str(value)
+    return json.dumps(value) if isinstance(value, (list, dict, bool)) else one_line(value, 200)

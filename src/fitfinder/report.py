@@ -12,6 +12,7 @@ import csv
 import html
 import io
 import json
+import os
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -21,6 +22,22 @@ from fitfinder.errors import UserError
 from fitfinder.jobconfig import JobFile, write_atomic
 from fitfinder.space import Point, Space
 from fitfinder.units import format_bytes
+
+
+def check_output_dir(path: Path, option: str) -> None:
+    """Refuse, before anything is written, a folder that cannot be made or written to: a file in
+    its place, a link to nowhere, a read-only folder or disk. Nothing is created here."""
+    path = Path(path)
+    found = path
+    while not os.path.lexists(found) and found.parent != found:
+        found = found.parent  # the nearest part of the path that exists
+    if found.is_symlink() and not found.exists():
+        raise UserError(f"{option} {path}: {found} is a link to {os.readlink(found)}, which does not exist; "
+                        f"remove the link or give another {option}")
+    if not found.is_dir():
+        raise UserError(f"{option} {path}: {found} is a file, not a folder; move it or give another {option}")
+    if not os.access(found, os.W_OK | os.X_OK):
+        raise UserError(f"{option} {path}: {found} is not writable (read-only); give another {option}")
 
 
 def export_best(job: JobFile, space: Space, point: Point, out_dir: Path, facts: list[str]) -> Path:

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from fitfinder.errors import ConfigError
-from fitfinder.jobconfig import AITK_DEFAULTS, JobFile
+from fitfinder.jobconfig import AITK_DEFAULTS, FRAMES, PIXELS, RANKS, JobFile, brief, int_in
 
 Point = dict[str, Any]  # knob name -> one of its candidates (a JSON scalar)
 
@@ -201,7 +202,7 @@ def _prioritized(knobs: list[Knob], priorities: list[str]) -> list[Knob]:
 def _with_desired(values: list, desired: Any, allowed: Callable[[Any], bool], what: str) -> list:
     bad = [v for v in values if not allowed(v)]
     if bad:
-        raise ValueError(f"expected {what}, got {bad}")
+        raise ValueError(f"expected {what}, got {brief(bad)}")
     return list(dict.fromkeys([*values, desired]))
 
 
@@ -236,8 +237,9 @@ def _buckets(job: JobFile, override: list | None, video: bool) -> Knob:
         sets = [desired]
         for entry in override:
             entry = entry if isinstance(entry, list) else [entry]
-            if not entry or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in entry):
-                raise ValueError(f"expected bucket lists of positive integers, got {entry!r}")
+            if not entry or not all(int_in(v, *PIXELS) for v in entry):
+                raise ValueError(f"expected bucket lists of positive integers (at most {PIXELS[1]}), "
+                                 f"got {brief(entry)}")
             sets.append(sorted(set(entry)))
     # Memory follows the largest bucket; more buckets at the same size cost no memory, only coverage.
     labels = sorted({bucket_label(s) for s in sets}, key=lambda l: (max(bucket_list(l)), len(bucket_list(l))))
@@ -268,7 +270,7 @@ def _frames(job: JobFile, override: list | None, video: bool) -> Knob | None:
     if not video and desired == 1:
         return None
     values = frame_ladder(desired) if override is None else _with_desired(
-        override, desired, lambda v: isinstance(v, int) and v >= 1, "positive frame counts")
+        override, desired, lambda v: int_in(v, *FRAMES), f"frame counts from 1 to {FRAMES[1]}")
     return Knob("frames", "quality", tuple(sorted(values)), desired, ("datasets[*].num_frames",), _DATA)
 
 
@@ -294,8 +296,8 @@ def _rank(job: JobFile, override: list | None, video: bool) -> Knob:
     if override is None:
         values = [2**i for i in range(0, 16) if MIN_RANK <= 2**i < desired] + [desired]
     else:
-        values = _with_desired(override, desired, lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
-                               "positive integers")
+        values = _with_desired(override, desired, lambda v: int_in(v, *RANKS),
+                               f"ranks from 1 to {RANKS[1]}")
     return Knob("rank", "quality", tuple(sorted(set(values))), desired,
                 ("network.linear", "network.linear_alpha"), _ALL)
 
@@ -387,11 +389,15 @@ def _sample_size(job: JobFile, override: list | None, video: bool) -> Knob | Non
         for scale in (0.5, 0.75):
             sizes.add(sample_size_label(max(64, round(width * scale / 64) * 64), max(64, round(height * scale / 64) * 64)))
     else:
-        sizes = set(_with_desired([str(v) for v in override], desired,
-                                  lambda v: len(v.split("x")) == 2 and all(p.isdigit() for p in v.split("x")),
-                                  "sizes such as 512x512"))
+        sizes = set(_with_desired([str(v) for v in override], desired, _sample_size_ok,
+                                  f"sizes such as 512x512 (each side from 1 to {PIXELS[1]})"))
     ordered = sorted(sizes, key=lambda s: math.prod(int(p) for p in s.split("x")))
     return Knob("sample_size", "quality", tuple(ordered), desired, ("sample.width", "sample.height"), _PREVIEW)
+
+
+def _sample_size_ok(label: str) -> bool:
+    match = re.fullmatch(r"([0-9]{1,6})x([0-9]{1,6})", label)  # ASCII digits: int("²") fails
+    return bool(match) and all(PIXELS[0] <= int(side) <= PIXELS[1] for side in match.groups())
 
 
 def _apply_sample_size(job: JobFile, label: str, space: Space) -> None:
@@ -405,7 +411,7 @@ def _sample_frames(job: JobFile, override: list | None, video: bool) -> Knob | N
     if desired == 1 or job.get("train.disable_sampling"):
         return None
     values = frame_ladder(desired) if override is None else _with_desired(
-        override, desired, lambda v: isinstance(v, int) and v >= 1, "positive frame counts")
+        override, desired, lambda v: int_in(v, *FRAMES), f"frame counts from 1 to {FRAMES[1]}")
     return Knob("sample_frames", "quality", tuple(sorted(values)), desired, ("sample.num_frames",), _PREVIEW)
 
 
@@ -438,13 +444,19 @@ def _apply_text_encoder(job: JobFile, mode: str, space: Space) -> None:
 def _batch(job: JobFile, override: list | None, video: bool) -> Knob:
     desired = int(job.get("train.batch_size"))
     effective = desired * job.accumulation
-    divisors = [b for b in range(1, effective + 1) if effective % b == 0]
+    divisors = divisors_of(effective)
     if override is not None:
-        divisors = _with_desired(override, desired, lambda v: isinstance(v, int) and v in divisors,
+        divisors = _with_desired(override, desired, lambda v: int_in(v, 1, effective) and v in divisors,
                                  f"batch sizes that divide the effective batch {effective} (batch_size x accumulation)")
     return Knob("batch", "speed", tuple(sorted(set(divisors))), desired,
                 ("train.batch_size", "train.gradient_accumulation", "train.gradient_accumulation_steps"),
                 frozenset({"text_encoder", "latents", "train"}))
+
+
+def divisors_of(n: int) -> list[int]:
+    """Every divisor of n, ascending, in sqrt(n) steps (an effective batch of 10^8 takes 10^4)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 def _apply_batch(job: JobFile, batch: int, space: Space) -> None:
