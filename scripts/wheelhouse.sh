@@ -27,6 +27,7 @@
 # On the GPU machine: scripts/gpu_check.sh --wheels DIR. See DEVELOPERS.md, "A GPU machine
 # without network".
 set -euo pipefail
+called_from="$PWD"
 cd "$(dirname "$0")/.."
 
 usage() { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
@@ -56,6 +57,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ -n "$dir" ] || { echo "wheelhouse.sh: give the folder to download into" >&2; usage; }
+[[ "$dir" = /* ]] || dir="$called_from/$dir"
 if compgen -G "$dir/*.whl" >/dev/null; then
   echo "wheelhouse.sh: $dir already holds wheels; give a new or empty folder (two versions of one package stop an install)" >&2
   exit 2
