@@ -79,16 +79,16 @@ within() {  # the timeout for a step that wants $1 seconds; 0 when under 30 s ar
   [ "$room" -ge "$want" ] || want=$room
   if [ "$want" -ge 30 ]; then echo "$want"; else echo 0; fi
 }
-bounded() {  # bounded LIMIT CMD...: CMD under LIMIT seconds (0: skipped); says how it ended
+bounded() {  # bounded LIMIT CMD...: CMD under LIMIT seconds (0: skipped); says how it ended, on stderr
   local limit=$1 rc=0
   shift
-  if [ "$limit" -eq 0 ]; then echo "(skipped: $(left) s left of ${BUDGET_S} s)"; return 124; fi
+  if [ "$limit" -eq 0 ]; then echo "(skipped: $(left) s left of ${BUDGET_S} s)" >&2; return 124; fi
   timeout --kill-after=10 "$limit" "$@" || rc=$?
-  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then echo "(timed out after $limit s)"; fi
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then echo "(timed out after $limit s)" >&2; fi
   return "$rc"
 }
 on_gpu() {  # on_gpu LIMIT CMD...: bounded, or only printed in a dry run
-  if [ "$dry" -eq 1 ]; then shift; echo "(dry run, not run: $*)"; return 0; fi
+  if [ "$dry" -eq 1 ]; then shift; echo "(dry run, not run: $*)" >&2; return 0; fi
   bounded "$@"
 }
 
@@ -123,8 +123,10 @@ PY
 # -- 1. the card's overhead --------------------------------------------------------------------------
 echo "== 1. fitfinder calibrate --gpu $GPU"
 card_option=()
-if on_gpu "$(within 120)" "$PY" -m fitfinder calibrate --gpu "$GPU" && [ "$dry" -eq 0 ] && [ -n "$card" ]; then
-  card_option=(--card "$card")
+if on_gpu "$(within 120)" "$PY" -m fitfinder calibrate --gpu "$GPU" --json > "$scratch/calibration.json" \
+   && [ "$dry" -eq 0 ]; then
+  calibrated="$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["gpu_name"])' "$scratch/calibration.json" || true)"
+  [ -z "$calibrated" ] || card_option=(--card "$calibrated")
 fi
 
 # -- 2. the points, and their estimates on the CPU in the background --------------------------------
@@ -157,7 +159,7 @@ for spec in sys.argv[2:]:
     budget = None if vram == "-" else parse_bytes(vram)
     (jobs / f"{name}.point.json").write_text(json.dumps({"label": label, "budget_bytes": budget}))
 PY
-echo "== 2. estimating ${#points[@]} points on the CPU in the background${card_option[*]:+ with the calibration of ${card}}"
+echo "== 2. estimating ${#points[@]} points on the CPU in the background, ${card_option[*]:-with the default overhead (no calibration)}"
 estimate_limit=$(within 300)
 for spec in "${points[@]}"; do
   IFS='|' read -r name _ _ _ _ vram <<<"$spec"
