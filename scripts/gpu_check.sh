@@ -43,7 +43,7 @@ while [ $# -gt 0 ]; do
     --wheels) wheels="${2:?--wheels needs a folder}"; shift 2 ;;
     --full) full=1; shift ;;
     --dry-run) dry=1; shift ;;
-    -h|--help) sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done

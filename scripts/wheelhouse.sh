@@ -30,7 +30,7 @@ set -euo pipefail
 called_from="$PWD"
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit "${1:-2}"; }
 
 dir=""
 python_version="3.12"
@@ -204,8 +204,9 @@ done
 checkout_bytes=$(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1)
 bundle_bytes=$(du -cb "$dir"/*.whl "$dir/BUNDLE.txt" | tail -1 | cut -f1)
 total_mib=$(( (checkout_bytes + bundle_bytes + 2**20 - 1) / 2**20 ))
+limit_text="limit ${max_mib} MiB"; [ "$max_mib" -gt 0 ] || limit_text="no limit"
 echo "== $(find "$dir" -name '*.whl' | wc -l) wheels, $(( bundle_bytes / 2**10 )) KiB; checkout $(( checkout_bytes / 2**10 )) KiB;" \
-     "together ${total_mib} MiB (limit: ${max_mib/#0/none} MiB); $(( $(date +%s) - started )) s"
+     "together ${total_mib} MiB (${limit_text}); $(( $(date +%s) - started )) s"
 if [ "$max_mib" -gt 0 ] && [ "$total_mib" -gt "$max_mib" ]; then
   echo "wheelhouse.sh: checkout plus wheels is ${total_mib} MiB, over ${max_mib} MiB: name more in --have or --leave-out" >&2
   exit 1
