@@ -1,6 +1,7 @@
 """fitfinder on a bare GPU machine: what scripts/wheelhouse.sh leaves out is never imported by
-probe, estimate or calibrate, the GPU check's scripts parse, and its closing table says the right
-thing. (Building and installing the wheels needs the package index: DEVELOPERS.md's manual check.)"""
+probe, estimate or calibrate; the scripts parse; the GPU check runs its steps in order (with a
+stand-in for the card) and its closing table says the right thing. (Building and installing the
+wheels needs the package index: DEVELOPERS.md's manual check.)"""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.conftest import DEMO, ROOT, run_cli
+from tests.conftest import DEMO, ROOT, cli_env, run_cli
 
 GiB = 2**30
 # What the wheelhouse leaves out: only `report`, `search` (its report) and `dashboard` import them.
@@ -121,3 +122,58 @@ def test_a_probe_that_fell_back_to_the_sim_meter_is_not_a_measurement(tmp_path):
     text = _table_module().render(tmp_path)
     assert "probe not measured on a card (sim meter)" in text
     assert "no phase was measured by both the card and the estimate" in text
+
+
+# -- the GPU check's flow, with a stand-in for the card -------------------------------------------------
+# A PYTHON for gpu_check.sh that answers for the card: calibrate, probe and pytest give canned
+# results, estimate too (the real one takes minutes of CPU); everything else runs for real
+# (the job files, the table). The version check is told this is a dry run so that it does not
+# ask for CUDA. What the test proves is the script's plumbing on the path a dry run skips.
+STAND_IN = """#!/usr/bin/env bash
+set -eu
+GiB=1073741824
+case "$*" in
+  "-m fitfinder calibrate"*)
+    echo '{"gpu_name": "Stand-in GPU"}'
+    echo "Stand-in GPU: context 500 MiB" >&2 ;;
+  "-m fitfinder estimate"*)
+    echo "$*" >> "$CALLS"
+    echo "{\\"fits\\": true, \\"peak_bytes\\": $((21 * GiB)), \\"phases\\": {\\"load\\": $((21 * GiB)), \\"train\\": $((15 * GiB))}}" ;;
+  "-m fitfinder probe"*)
+    echo "$*" >> "$CALLS"
+    echo "{\\"meter\\": \\"cuda meter on Stand-in GPU\\", \\"status\\": \\"ok\\", \\"peak_bytes\\": $((20 * GiB)), \\"phases\\": {\\"load\\": $((20 * GiB)), \\"train\\": $((16 * GiB))}}" ;;
+  "-m pytest"*)
+    echo "$*" >> "$CALLS"
+    echo "..."
+    echo "3 passed, 40 deselected in 1.00s" ;;
+  *)
+    if [ "$#" -eq 3 ] && [ "$1" = "-" ] && [ "$2" = "0" ]; then set -- - 1 "$3"; fi
+    exec "$REAL_PYTHON" "$@" ;;
+esac
+"""
+
+
+@pytest.mark.slow
+def test_the_check_runs_every_step_and_ends_with_the_table(tmp_path):
+    stand_in = tmp_path / "python"
+    stand_in.write_text(STAND_IN)
+    stand_in.chmod(0o755)
+    calls, log = tmp_path / "calls.txt", tmp_path / "gpu-check.txt"
+    env = {**cli_env(), "PYTHON": str(stand_in), "REAL_PYTHON": sys.executable, "CALLS": str(calls),
+           "LOG": str(log), "BUDGET_S": "300", "GPU": "0"}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], check=False, capture_output=True,
+                          text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = log.read_text()
+    made = calls.read_text().splitlines()
+    estimates = [line for line in made if line.startswith("-m fitfinder estimate")]
+    probes = [line for line in made if line.startswith("-m fitfinder probe")]
+    assert len(estimates) == 3 and all("--card Stand-in GPU" in line for line in estimates)
+    assert [("--vram 24GiB" in line) for line in probes] == [True, True, False]  # 512 and 1024 capped, bf16 whole
+    assert all("--steps 6" in line and "--gpu 0" in line for line in probes)
+    assert any(line.startswith("-m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py") for line in made)
+    assert "FLUX.1-dev 512 8-bit, 24 GiB cap   load" in text and "+5.0%" in text and "-6.2%" in text
+    assert "FLUX.1-dev 1024 8-bit, 24 GiB cap: probe fits 24 GiB (peak 20.00 GiB); estimate fits" in text
+    assert "FLUX.1-dev 512 bf16, whole card: probe fits the card (peak 20.00 GiB); estimate peak 21.00 GiB" in text
+    assert "largest relative error -6.2% over 6 phases" in text
+    assert "GPU-marked tests: 3 passed, 40 deselected in 1.00s" in text and "== done in" in text
