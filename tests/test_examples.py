@@ -85,3 +85,24 @@ def test_jobs_without_a_lora_are_refused_by_the_job_file_checks(stem):
     problems = [problem.removeprefix("config.process[0].") for problem in raised.value.problems]
     assert len(problems) == len(NO_LORA[stem])
     assert all(problem.startswith(start) for problem, start in zip(problems, NO_LORA[stem]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stem, tiny", [("train_lora_flux_schnell_24gb", "flux-schnell-tiny"),
+                                        ("train_lora_flex_24gb", "flux-tiny")])
+def test_schnell_and_flex_jobs_probe_through_the_flux_family_on_a_tiny_arch(stem, tiny, tmp_path):
+    import json
+
+    job = jobconfig.load(EXAMPLES / f"{stem}.yaml")
+    job.set("model.name_or_path", tiny)
+    job.set("datasets[0].resolution", [64, 96, 128])
+    job.set("sample.width", 128)
+    job.set("sample.height", 128)
+    path = tmp_path / "job.yaml"
+    path.write_text(job.dumps() + "fitfinder:\n  weights: random\n")
+    done = run_cli("probe", str(path), "--vram", "1GiB", "--json", cwd=tmp_path,
+                   FITFINDER_CACHE=str(tmp_path / "cache"))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["status"] == "ok"
+    assert list(result["phases"]) == ["load", "text_encoder", "latents", "sample", "train", "last_sample"]
