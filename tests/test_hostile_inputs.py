@@ -161,7 +161,8 @@ key("optimizer_sgd", edit('optimizer: "adamw"', "optimizer: sgd"), "train.optimi
 key("quantize_text", edit("is_flux: true", 'is_flux: true\n        quantize: "true"'), "model.quantize",
     "true or false")
 key("qtype_int3", edit("is_flux: true", "is_flux: true\n        qtype: int3"), "model.qtype", "one of qfloat8")
-key("arch_unknown_model", edit("is_flux: true", "arch: hidream"), "model.arch", "one of flux")
+job("arch_unknown_model", edit("is_flux: true", "arch: anima"),
+    "config.process[0].model.arch: fitfinder does not support the model 'anima'; it supports: flux")
 key("model_name_number", edit('name_or_path: "fitfinder/flux-tiny"', "name_or_path: 5"), "model.name_or_path",
     "a text")
 key("offload_half", edit("is_flux: true", 'is_flux: true\n        layer_offloading: true\n'
@@ -183,7 +184,7 @@ job("missing_model_folder", edit("  weights: random     #", "  weights: pretrain
                                  edit('name_or_path: "fitfinder/flux-tiny"', 'name_or_path: "/nonexistent/flux"')),
     "model '/nonexistent/flux' is neither a local folder nor in the Hugging Face cache")
 job("unknown_model_family", edit("is_flux: true", "quantize: false", edit('"fitfinder/flux-tiny"', '"someone/model"')),
-    "cannot tell the model family from name_or_path=someone/model")
+    "fitfinder does not support the model someone/model (neither model.arch, an is_* flag nor its name says")
 
 # -- the `fitfinder:` section ----------------------------------------------------------------------
 VRAM = "vram: 13.2MiB"
@@ -477,11 +478,11 @@ def test_a_full_disk_is_one_line_and_leaves_no_temporary_file(tmp_path):
 
 
 def test_the_checks_refuse_nothing_a_real_job_holds():
-    """AI Toolkit's own examples, the demo, an empty `neg:` or `trigger_word:` (null), a learning
+    """The LoRA jobs of AI Toolkit's examples, the demo, an empty `neg:` or `trigger_word:` (null), a learning
     rate PyYAML reads as text ("1e-4"), and seed -1 still load."""
     from fitfinder import jobconfig
 
-    for path in [DEMO, *sorted((ROOT / "examples" / "aitk").glob("*.yaml"))]:
+    for path in [DEMO, *sorted((ROOT / "examples" / "aitk").glob("*lora*.yaml"))]:
         jobconfig.load(path)
     job = jobconfig.loads(sample("neg:\n        seed: -1").replace("lr: 1e-4", 'lr: "1e-4"')
                           .replace("      training_folder:", "      trigger_word:\n      training_folder:"), "job.yaml")

@@ -37,13 +37,55 @@ def test_family_from_flags_or_name(model, family):
     assert models.family_of(job) == family
 
 
-def test_an_unknown_family_is_one_clear_error_listing_the_known_ones():
+def test_an_unknown_model_is_one_line_listing_the_families_without_a_relabelling_hint():
     job = tiny_job("flux")
     job.process["model"] = {"name_or_path": "/models/something"}
     with pytest.raises(UserError) as raised:
         models.family_of(job)
-    assert "cannot tell the model family" in str(raised.value)
-    assert "flux, sdxl, wan21, wan21_1b, wan21_14b, wan22_14b" in str(raised.value)
+    assert str(raised.value) == (
+        "<tiny flux job>: config.process[0].model: fitfinder does not support the model /models/something "
+        "(neither model.arch, an is_* flag nor its name says which it is); it supports: flux, sdxl, wan21, wan22")
+
+
+@pytest.mark.parametrize("model, told", [
+    ({"arch": "qwen_image"}, "model.arch 'qwen_image' but cannot probe the qwen_image family yet"),
+    ({"arch": "wan21_i2v:14b480p"}, "model.arch 'wan21_i2v:14b480p' but cannot probe the wan21_i2v family yet"),
+    ({"arch": "ltx2.3"}, "model.arch 'ltx2.3' but cannot probe the ltx2 family yet"),
+    ({"is_v3": True}, "model.is_v3 but cannot probe the sd3 family yet"),
+    ({"is_lumina2": True}, "model.is_lumina2 but cannot probe the lumina2 family yet"),
+    ({"name_or_path": "HiDream-ai/HiDream-I1-Full"},
+     "HiDream-ai/HiDream-I1-Full (hidream-i1-full) but cannot probe the hidream family yet"),
+    ({"name_or_path": "/models/my-flux2-finetune"}, "/models/my-flux2-finetune but cannot probe the flux2 family yet"),
+])
+def test_a_model_fitfinder_knows_but_cannot_probe_yet_is_named_with_its_family(model, told):
+    job = tiny_job("flux")
+    job.process["model"] = model
+    with pytest.raises(UserError) as raised:
+        models.family_of(job)
+    assert str(raised.value) == (f"<tiny flux job>: config.process[0].model: fitfinder knows {told}; "
+                                 "it supports: flux, sdxl, wan21, wan22")
+
+
+@pytest.mark.parametrize("model, family", [
+    ({"arch": "flex1"}, "flux"),  # AI Toolkit's ModelConfig turns flex1 into flux
+    ({"name_or_path": "black-forest-labs/FLUX.1-schnell", "is_flux": True}, "flux"),
+    ({"name_or_path": "ostris/Flex.1-alpha"}, "flux"),
+    ({"name_or_path": "/models/my-flex1-finetune"}, "flux"),
+])
+def test_flux_1_variants_resolve_to_the_flux_family(model, family):
+    job = tiny_job("flux")
+    job.process["model"] = model
+    assert models.family_of(job) == family
+
+
+def test_an_unknown_arch_is_reported_by_the_job_file_without_a_relabelling_hint():
+    from fitfinder import jobconfig
+    from fitfinder.errors import ConfigError
+
+    with pytest.raises(ConfigError) as raised:
+        jobconfig.loads(tiny_job("flux", {"model.arch": "anima"}).dumps())
+    assert raised.value.problems == ["config.process[0].model.arch: fitfinder does not support the model 'anima'; "
+                                     "it supports: flux, sdxl, wan21, wan22"]
 
 
 def test_the_wan22_reference_job_resolves_to_its_family_and_arch():
@@ -61,6 +103,8 @@ def test_every_shipped_arch_describes_its_family_parts():
     assert {"flux-dev", "flux-tiny", "sdxl-base", "sdxl-tiny", "wan21-1.3b", "wan21-14b", "wan21-tiny",
             "wan22-14b", "wan22-tiny"} <= set(archs)
     for stem, arch in archs.items():
+        if arch["family"] not in models.FAMILIES:
+            continue  # a family still to come: tests/test_archs.py checks its parts
         family = models.FAMILIES[arch["family"]]
         assert set(arch["parts"]) == set(family.parts), stem
         assert arch["names"] and arch["description"] and arch["text_seq_len"] > 0

@@ -66,7 +66,8 @@ KNOB_NAMES = (
 # quantizes with bitsandbytes: 8-bit for the float8/int8 kinds, 4-bit (nf4 unless fp4) for 4-bit.
 # A "uint4|adapter" value adds an accuracy-recovery LoRA, small next to the weights; it is not probed.
 QTYPE_BITS = {"qfloat8": 8, "float8": 8, "qfloat8_e4m3fn": 8, "float8_e4m3fn": 8, "fp8": 8, "qint8": 8, "int8": 8,
-              "qint4": 4, "uint4": 4, "int4": 4, "nf4": 4, "fp4": 4}
+              "qint4": 4, "uint4": 4, "int4": 4, "nf4": 4, "fp4": 4,
+              "uint2": 2, "uint3": 3, "uint5": 5, "uint6": 6, "uint7": 7}
 # Optimizers the probe runs, by AI Toolkit's names -> the implementation (Adam and AdamW hold the
 # same state).
 OPTIMIZERS = {"adamw": "adamw", "adam": "adamw", "adamw8bit": "adamw8bit", "adam8bit": "adamw8bit"}
@@ -450,10 +451,11 @@ def _value_problems(job: JobFile) -> list[str]:
           f"one of {', '.join(OPTIMIZERS)} (the optimizers fitfinder probes)")
     for key in ("model.qtype", "model.qtype_te"):
         check(key, _qtype_ok, f"one of {', '.join(QTYPE_BITS)} (optionally followed by |adapter)")
-    from fitfinder.models import ARCH_VALUES  # no torch there
+    from fitfinder.models import arch_problem  # no torch there
 
-    check("model.arch", lambda v: isinstance(v, str) and v.split(":")[0].strip().lower() in ARCH_VALUES,
-          f"one of {', '.join(ARCH_VALUES)} (the model families fitfinder probes)")
+    arch = job.get("model.arch", None)
+    if arch is not None and (not isinstance(arch, str) or arch_problem(arch)):
+        problems.append(f"{p}model.arch: {arch_problem(str(arch))}")
     return problems
 
 
@@ -546,10 +548,6 @@ def _priorities(value: Any) -> list[str]:
     if unknown:
         raise UserError(f"fitfinder.priorities: unknown knob {brief(unknown[0])}; known knobs are {', '.join(KNOB_NAMES)}")
     return list(value)
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _integers(low: int, high: int) -> str:

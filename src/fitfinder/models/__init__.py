@@ -67,54 +67,88 @@ FAMILIES: dict[str, Family] = {
                     {**_WAN, "transformer_2": "diffusers.WanTransformer3DModel"}, r"blocks\.\d+\..*", video=True),
 }
 # AI Toolkit's `model.arch` values (the part before a ':' such as in 'wan21:14b') -> family.
-ARCH_VALUES = {"flux": "flux", "sdxl": "sdxl", "wan21": "wan21", "wan21_1b": "wan21", "wan21_14b": "wan21",
-               "wan22_14b": "wan22"}
-# AI Toolkit's family flags.
-FLAGS = {"is_flux": "flux", "is_xl": "sdxl"}
+ARCH_VALUES = {
+    "flux": "flux", "flex1": "flux", "sdxl": "sdxl", "wan21": "wan21", "wan21_1b": "wan21", "wan21_14b": "wan21",
+    "wan22_14b": "wan22",
+    # Known to AI Toolkit and shipped in archs/, but no family module probes them yet (issues 15, 16).
+    "flux_kontext": "flux_kontext", "flex2": "flex2", "chroma": "chroma", "hidream": "hidream",
+    "qwen_image": "qwen_image", "qwen_image_edit": "qwen_image", "qwen_image_edit_plus": "qwen_image",
+    "sd3": "sd3", "lumina2": "lumina2", "omnigen2": "omnigen2",
+    "flux2": "flux2", "flux2_klein_4b": "flux2", "flux2_klein_9b": "flux2", "zimage": "zimage",
+    "wan21_i2v": "wan21_i2v", "wan22_14b_i2v": "wan22_i2v", "wan22_5b": "wan22_5b",
+    "ltx2": "ltx2", "ltx2.3": "ltx2", "ltx2.5": "ltx2",
+}
+# AI Toolkit's family flags (its ModelConfig turns `is_v3` into arch sd3 and `is_lumina2` into lumina2).
+FLAGS = {"is_flux": "flux", "is_xl": "sdxl", "is_v3": "sd3", "is_lumina2": "lumina2"}
 
 
 # -- which model (no torch needed) ---------------------------------------------------------------
 def known_archs() -> dict[str, dict]:
-    """Shipped architecture configs by file stem."""
+    """Shipped architecture configs by file stem, those of families fitfinder cannot probe yet included."""
     return {p.stem: json.loads(p.read_text()) for p in sorted(ARCH_DIR.glob("*.json"))}
 
 
 def family_of(job) -> str:
-    """The family from `model.arch`, AI Toolkit's `is_flux`/`is_xl` flags, or the model name."""
+    """The family from `model.arch`, AI Toolkit's flags, or the model name; only a family fitfinder probes.
+
+    A model AI Toolkit trains whose family module does not exist yet is refused by name, and an
+    unknown one as unsupported: relabelling a model as another family would probe the wrong network.
+    """
     arch = str(job.get("model.arch", None) or "").strip().lower()
     name = str(job.get("model.name_or_path", None) or "")
     if arch:
         family = ARCH_VALUES.get(arch.split(":")[0])
-        if family is None:
-            raise UserError(f"{job.source}: config.process[0].model.arch: {arch!r} is not a model family "
-                            f"fitfinder can probe; known: {', '.join(ARCH_VALUES)}")
-        return family
+        return _probeable(job, family, f"model.arch {arch!r}")
     for flag, family in FLAGS.items():
         if job.get(f"model.{flag}", None) is True:
-            return family
+            return _probeable(job, family, f"model.{flag}")
     shipped = _shipped_by_name(name)
     if shipped is not None:
-        return shipped[1]["family"]
+        return _probeable(job, shipped[1]["family"], f"{name} ({shipped[0]})")
     guessed = _family_from_name(name.lower())
     if guessed is not None:
-        return guessed
-    raise UserError(
-        f"{job.source}: config.process[0].model: cannot tell the model family from "
-        f"name_or_path={name or '-'!s}; set model.arch to one of: {', '.join(ARCH_VALUES)}"
-    )
+        return _probeable(job, guessed, name)
+    return _probeable(job, None, f"the model {name or '-'} (neither model.arch, an is_* flag nor its name "
+                                 "says which it is)")
+
+
+def arch_problem(arch: str) -> str | None:
+    """Why `model.arch` names no model fitfinder knows, for the job file's validation; None when it does."""
+    if arch.split(":")[0].strip().lower() in ARCH_VALUES:
+        return None
+    return f"fitfinder does not support the model {arch!r}; {_supported()}"
+
+
+def _probeable(job, family: str | None, model: str) -> str:
+    if family in FAMILIES:
+        return family
+    where = f"{job.source}: config.process[0].model"
+    if family is None:
+        raise UserError(f"{where}: fitfinder does not support {model}; {_supported()}")
+    raise UserError(f"{where}: fitfinder knows {model} but cannot probe the {family} family yet; {_supported()}")
+
+
+def _supported() -> str:
+    return f"it supports: {', '.join(FAMILIES)}"
 
 
 def _family_from_name(name: str) -> str | None:
+    """A guess from a local folder's or a fine-tune's name, most specific first (FLUX.2 is not FLUX.1)."""
     compact = name.replace(".", "").replace("-", "").replace("_", "")
-    if "flux" in compact:
-        return "flux"
-    if "wan22" in compact:
-        return "wan22"
-    if "wan21" in compact:
-        return "wan21"
-    if "xl" in compact:
-        return "sdxl"
+    for needle, family in _NAME_HINTS:
+        if needle in compact:
+            return family
     return None
+
+
+# Substrings of a compacted lowercase name -> family, the more specific before the ones they contain.
+_NAME_HINTS = (
+    ("flux2", "flux2"), ("kontext", "flux_kontext"), ("flex2", "flex2"), ("flex1", "flux"), ("chroma", "chroma"),
+    ("flux", "flux"), ("hidream", "hidream"), ("qwenimage", "qwen_image"), ("lumina", "lumina2"),
+    ("omnigen", "omnigen2"), ("stablediffusion3", "sd3"), ("sd35", "sd3"), ("zimage", "zimage"),
+    ("ltx2", "ltx2"), ("ti2v", "wan22_5b"), ("wan225b", "wan22_5b"), ("wan22i2v", "wan22_i2v"),
+    ("wan21i2v", "wan21_i2v"), ("wan22", "wan22"), ("wan21", "wan21"), ("xl", "sdxl"),
+)
 
 
 def is_video(job) -> bool:
