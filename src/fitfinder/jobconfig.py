@@ -65,7 +65,8 @@ KNOB_NAMES = (
 # quantizes with bitsandbytes: 8-bit for the float8/int8 kinds, 4-bit (nf4 unless fp4) for 4-bit.
 # A "uint4|adapter" value adds an accuracy-recovery LoRA, small next to the weights; it is not probed.
 QTYPE_BITS = {"qfloat8": 8, "float8": 8, "qfloat8_e4m3fn": 8, "float8_e4m3fn": 8, "fp8": 8, "qint8": 8, "int8": 8,
-              "qint4": 4, "uint4": 4, "int4": 4, "nf4": 4, "fp4": 4}
+              "qint4": 4, "uint4": 4, "int4": 4, "nf4": 4, "fp4": 4,
+              "uint2": 2, "uint3": 3, "uint5": 5, "uint6": 6, "uint7": 7}
 # Optimizers the probe runs, by AI Toolkit's names -> the implementation (Adam and AdamW hold the
 # same state).
 OPTIMIZERS = {"adamw": "adamw", "adam": "adamw", "adamw8bit": "adamw8bit", "adam8bit": "adamw8bit"}
