@@ -58,12 +58,12 @@ def load(spec: dict, settings: dict, meter) -> Pipeline:
         with meter.host():
             module = _build(spec, part, pipe.dtype, "cpu" if low_vram else meter.device, meter)
             if qtype and low_vram:
-                quantize(module, qtype)
+                quantize(module, qtype, meter.repeated)
         pipe.parts[part] = module
         if not low_vram:
             pipe.place(pipe.on_device | {part})
             if qtype:
-                quantize(pipe.parts[part], qtype)
+                quantize(pipe.parts[part], qtype, meter.repeated)
     for name in settings["trained"]:
         if name in pipe.on_device:
             _add_lora(pipe, name, settings)

@@ -159,13 +159,15 @@ GROUPED_TYPES = {**{f"uint{bits}": (bits, 64, "zero_point") for bits in range(2,
                  "fp4": (4, 64, "zero_point")}
 
 
-def quantize(module: torch.nn.Module, qtype: str) -> int:
+def quantize(module: torch.nn.Module, qtype: str, repeated=None) -> int:
     """Every nn.Linear quantized as AI Toolkit quantizes it, in place, where its weight lives.
 
     AI Toolkit's `quantize` swaps each Linear for its quantized module and `freeze` then replaces
     each full-precision weight by its quantized copy, one layer after the other: the transient is
     one layer. The same happens here layer by layer. As quanto's own loop does, a diffusers model's
     fp32-kept modules stay as they are (Wan casts its timestep to the dtype of its time embedder).
+    `repeated` is the meter's (see meter.EstimateMeter.repeated): on fake tensors, a layer of a
+    shape already quantized is made by copying that layer's layout instead of running the ops.
     Returns the number of layers quantized.
     """
     base = qtype.split("|")[0].strip().lower()
@@ -180,13 +182,78 @@ def quantize(module: torch.nn.Module, qtype: str) -> int:
         parent_name, _, child_name = name.rpartition(".")
         parent = module.get_submodule(parent_name)
         linear = getattr(parent, child_name)
-        if base in QUANTO_TYPES:
-            quantized = _quanto_linear(linear, QUANTO_TYPES[base])
+        weight = linear.weight
+        key = (base, tuple(weight.shape), weight.dtype, weight.device, linear.bias is not None)
+
+        def make(linear=linear, key=key):
+            layer = _quantized(linear, base)
+            _LAYOUTS[key] = _layout(layer)
+            return layer
+
+        if repeated is None:
+            quantized = make()
         else:
-            quantized = GroupedLinear.from_linear(linear, *GROUPED_TYPES[base])
+            quantized = repeated(("quantize", key), make, lambda linear=linear, key=key: _like(_LAYOUTS[key], linear))
         setattr(parent, child_name, quantized.train(linear.training))
         del linear
     return len(names)
+
+
+def _quantized(linear: torch.nn.Linear, base: str) -> torch.nn.Module:
+    if base in QUANTO_TYPES:
+        return _quanto_linear(linear, QUANTO_TYPES[base])
+    return GroupedLinear.from_linear(linear, *GROUPED_TYPES[base])
+
+
+# A quantized layer's class and tensor layouts (as meta tensors, which hold no memory) by the
+# quantized layer's key: what `_like` copies.
+_LAYOUTS: dict[tuple, tuple] = {}
+
+
+def _layout(layer: torch.nn.Module) -> tuple:
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        if isinstance(layer, GroupedLinear):
+            described = (GroupedLinear, layer.in_features, layer.out_features, layer.bits, layer.group, layer.offset,
+                         layer.weight_dtype)
+            return described, {name: _meta(getattr(layer, name)) for name in ("packed", "scale", "zero")}
+        names, context = layer.weight.__tensor_flatten__()
+        inner = {name: _meta(getattr(layer.weight, name)) for name in names}
+        scales = {name: _meta(getattr(layer, name)) for name in ("input_scale", "output_scale")}
+        described = (type(layer), layer.weight_qtype, type(layer.weight), context, layer.weight.size(),
+                     layer.weight.stride())
+        return described, {**inner, **scales}
+
+
+def _meta(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+
+
+def _like(layout: tuple, linear: torch.nn.Linear) -> torch.nn.Module:
+    """A quantized layer of a recorded layout, with fresh tensors and `linear`'s bias: what
+    quantizing `linear` makes, without computing it (the estimate's repeats)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    described, templates = layout
+    device = linear.weight.device
+    fresh = {name: _empty_like(template, device) for name, template in templates.items()}
+    if described[0] is GroupedLinear:
+        layer = GroupedLinear(*described[1:], None, linear.bias)
+        for name, tensor in fresh.items():
+            layer.register_buffer(name, tensor, persistent=False)
+        return layer
+    cls, qtype, weight_cls, context, size, stride = described
+    with _disable_current_modes():
+        layer = cls.qcreate(linear, qtype, device="meta")
+    layer.input_scale, layer.output_scale = fresh.pop("input_scale"), fresh.pop("output_scale")
+    weight = weight_cls.__tensor_unflatten__(fresh, context, size, stride)
+    layer.weight, layer.bias = torch.nn.Parameter(weight, requires_grad=False), linear.bias
+    return layer
+
+
+def _empty_like(tensor: torch.Tensor, device) -> torch.Tensor:
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
 
 
 def _quanto_linear(linear: torch.nn.Linear, qtype_name: str) -> torch.nn.Module:
@@ -207,6 +274,7 @@ def _quanto_linear(linear: torch.nn.Linear, qtype_name: str) -> torch.nn.Module:
     layer.output_scale = torch.ones((), dtype=weight.dtype, device=weight.device)
     layer.weight, layer.bias = weight, linear.bias
     layer.freeze()
+    layer.weight.requires_grad_(False)  # freeze() makes a new Parameter; the base stays frozen
     return layer
 
 
