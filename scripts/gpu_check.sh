@@ -33,6 +33,7 @@ started=$(date +%s)
 echo "== $(date -u +%FT%TZ) $(hostname): $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader -i "$GPU")"
 python -c "import torch, diffusers, bitsandbytes; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'diffusers', diffusers.__version__, 'bitsandbytes', bitsandbytes.__version__)"
+python -c "import importlib.metadata as m; print('optimum-quanto', m.version('optimum-quanto'))"
 
 echo "== 1. GPU-marked tests"
 CUDA_VISIBLE_DEVICES="$GPU" timeout 180 python -m pytest -q -m gpu tests/test_gpu.py
@@ -81,6 +82,13 @@ for point in "512 true true" "1024 true true" "512 false true" "512 false false"
   timeout 300 python -m fitfinder estimate "$jobs/$name.yaml" --card "$card" --json \
     > "$jobs/$name.estimate.json" || true  # exit 1 only says it does not fit a budget; none is given
 done
+# AI Toolkit's 24 GB Flux example itself (8-bit base and T5, buckets to 1024, EMA, previews at
+# 1024), random weights, under --vram 24GiB: every phase should stay under the card (docs/fidelity.md).
+{ cat examples/aitk/train_lora_flux_24gb.yaml; printf 'fitfinder:\n  weights: random\n'; } > "$jobs/flux-24gb-example.yaml"
+timeout 400 python -m fitfinder probe "$jobs/flux-24gb-example.yaml" --gpu "$GPU" --vram 24GiB --steps "$STEPS" \
+  --timeout 390 --json > "$jobs/flux-24gb-example.probe.json" || echo "(probe of the example exited with $?)"
+timeout 300 python -m fitfinder estimate "$jobs/flux-24gb-example.yaml" --card "$card" --json \
+  > "$jobs/flux-24gb-example.estimate.json" || true
 python - "$jobs" <<'PY'
 import json, pathlib, sys
 jobs = pathlib.Path(sys.argv[1])
