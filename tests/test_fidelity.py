@@ -188,3 +188,20 @@ def test_the_largest_preview_wins_from_samples_and_prompt_flags():
     job.set("sample.samples", [{"prompt": "big", "width": 512, "height": 512}])
     assert probe._preview_size(job) == (512, 512)
     assert probe.request_for(job, 3, "sim", None)["sample"]["width"] == 512
+
+
+def test_a_preview_in_the_middle_of_an_accumulation_holds_the_gradients(run_tiny):
+    """gradient_accumulation_steps counts a step per micro-batch, so a preview can find gradients;
+    gradient_accumulation accumulates inside one step, so none is alive between steps."""
+    import torch
+
+    from fitfinder import meter as meters
+
+    steps = run_tiny("flux", {"train.gradient_accumulation_steps": 2})
+    inside = run_tiny("flux", {"train.gradient_accumulation": 2})
+    assert steps["status"] == inside["status"] == "ok"
+    request = probe.request_for(tiny_job("flux"), 1, "sim", None)
+    pipe = models.load_pipeline(request["model"], request, meters.SimMeter(None))
+    lora = sum(p.numel() * 4 for p in pipe.trainable_parameters(["transformer"]))
+    assert all(p.dtype == torch.float32 for p in pipe.trainable_parameters(["transformer"]))
+    assert steps["phases"]["last_sample"] - inside["phases"]["last_sample"] == lora

@@ -104,6 +104,9 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
         "switch_every": int(job.get("train.switch_boundary_every")),
         "sample": _sample_settings(job, family.video),
         "ema": bool(job.get("train.ema_config.use_ema", False)),
+        # AI Toolkit counts a step per micro-batch with gradient_accumulation_steps and samples on
+        # that count (BaseSDTrainProcess.run), so a preview can land while gradients accumulate.
+        "preview_holds_gradients": int(job.get("train.gradient_accumulation_steps")) > 1,
         "steps": int(steps),
         "meter": meter,
         "budget_bytes": budget_bytes,
@@ -263,7 +266,7 @@ def _recipe(request: dict, meter, result: dict) -> None:
     if sample["last"]:
         # A preview during training: the optimizer's state is still held, as in a run that
         # samples every N steps.
-        with _phase("last_sample", pipe, request):
+        with _phase("last_sample", pipe, request), _gradients_held(pipe, request):
             _sample(pipe, request, prompts, ema)
     del optimizer, ema
 
@@ -411,6 +414,24 @@ def _ema_weights(pipe, request: dict, ema: list | None):
             for param, kept in zip(params, stored):
                 param.data.copy_(kept)
         del stored
+
+
+@contextlib.contextmanager
+def _gradients_held(pipe, request: dict):
+    """The LoRA's gradients alive through a preview that lands in the middle of an accumulation."""
+    if not request.get("preview_holds_gradients"):
+        yield
+        return
+    import torch
+
+    params = pipe.trainable_parameters(request["trained"][:1])
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    try:
+        yield
+    finally:
+        for param in params:
+            param.grad = None
 
 
 def _sample(pipe, request: dict, prompts: dict, ema: list | None = None) -> None:
