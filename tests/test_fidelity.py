@@ -84,7 +84,7 @@ def test_grouped_formats_hold_the_bytes_ai_toolkit_holds(qtype, packed):
     uint4 is 0.5 + 3/64 = 0.547 bytes per weight."""
     import torch
 
-    from fitfinder.meter import inner_tensors, tensors_of
+    from fitfinder.meter import tensors_of
     from fitfinder.models._weights import GroupedLinear, quantize
 
     torch.manual_seed(0)
