@@ -20,7 +20,8 @@
 #    trains it (8-bit base and text encoders, bf16, AdamW8bit, checkpointing, cached latents), at
 #    one bucket with previews of the same size (as docs/estimate.md and the benchmark), probed with
 #    the cuda meter, STEPS training steps (6; the peak holds from the second step on):
-#      512 and 1024 px under --vram 24GiB: the process is capped to emulate a 24 GiB card;
+#      512 px, and the example as written (buckets to 1024), under --vram 24GiB: the process is
+#        capped to emulate a 24 GiB card;
 #      512 px without quantization on the whole card: the estimate without the 8-bit layers.
 #    --full adds 1024 px 8-bit, 512 px without checkpointing and 1024 px unquantized, whole card.
 # 5. One table: per point and phase the cuda meter's peak, the estimate and the relative error;
@@ -130,9 +131,11 @@ if on_gpu "$(within 120)" "$PY" -m fitfinder calibrate --gpu "$GPU" --json > "$s
 fi
 
 # -- 2. the points, and their estimates on the CPU in the background --------------------------------
-# name|label|resolution|quantize|checkpointing|vram ("-": the whole card)
+# name|label|resolution|quantize|checkpointing|vram ("-": the whole card). "example": the 24 GB
+# example as written (buckets 512/768/1024, EMA, previews at 1024): every phase should stay under
+# 24 GiB (docs/fidelity.md).
 points=("1-flux-512-q8|FLUX.1-dev 512 8-bit, 24 GiB cap|512|true|true|24GiB"
-        "2-flux-1024-q8|FLUX.1-dev 1024 8-bit, 24 GiB cap|1024|true|true|24GiB"
+        "2-flux-1024-q8|FLUX.1-dev 1024 8-bit, 24 GiB cap|example|true|true|24GiB"
         "3-flux-512-bf16|FLUX.1-dev 512 bf16, whole card|512|false|true|-")
 if [ "$full" -eq 1 ]; then
   points+=("4-flux-1024-q8-card|FLUX.1-dev 1024 8-bit, whole card|1024|true|true|-"
@@ -148,13 +151,15 @@ jobs = Path(sys.argv[1])
 for spec in sys.argv[2:]:
     name, label, resolution, quantize, checkpointing, vram = spec.split("|")
     job = jobconfig.load("examples/aitk/train_lora_flux_24gb.yaml")
-    job.set("datasets[0].resolution", [int(resolution)])
-    job.set("sample.width", int(resolution))
-    job.set("sample.height", int(resolution))
+    if resolution != "example":
+        job.set("datasets[0].resolution", [int(resolution)])
+        job.set("sample.width", int(resolution))
+        job.set("sample.height", int(resolution))
     job.set("model.quantize", quantize == "true")
     job.set("train.gradient_checkpointing", checkpointing == "true")
     header = [f"scripts/gpu_check.sh: {label}",
-              "examples/aitk/train_lora_flux_24gb.yaml at one bucket, previews of that size, random weights"]
+              "examples/aitk/train_lora_flux_24gb.yaml" + (" as written" if resolution == "example" else
+                                                           " at one bucket, previews of that size") + ", random weights"]
     (jobs / f"{name}.yaml").write_text(job.dumps(header) + "fitfinder:\n  weights: random\n")
     budget = None if vram == "-" else parse_bytes(vram)
     (jobs / f"{name}.point.json").write_text(json.dumps({"label": label, "budget_bytes": budget}))

@@ -17,6 +17,7 @@ try:
     from transformers import (CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel,  # noqa: F401
                               UMT5EncoderModel)
     import bitsandbytes  # noqa: F401
+    import optimum.quanto  # noqa: F401  (the probes quantize with it; ~2 s to import)
     import peft  # noqa: F401
     import peft.tuners.lora  # noqa: F401
 

@@ -62,9 +62,9 @@ KNOB_NAMES = (
     "text_encoder", "optimizer", "sample_size", "sample_frames", "sampling",
 )
 
-# AI Toolkit's quantization types (optimum-quanto and torchao names) -> bits in the probe, which
-# quantizes with bitsandbytes: 8-bit for the float8/int8 kinds, 4-bit (nf4 unless fp4) for 4-bit.
-# A "uint4|adapter" value adds an accuracy-recovery LoRA, small next to the weights; it is not probed.
+# AI Toolkit's quantization types (optimum-quanto, torchao and its own uint names) -> bits; the
+# probe quantizes each as AI Toolkit does (models._weights.quantize). A "uint4|adapter" value adds
+# an accuracy-recovery LoRA, small next to the weights; it is not probed.
 QTYPE_BITS = {"qfloat8": 8, "float8": 8, "qfloat8_e4m3fn": 8, "float8_e4m3fn": 8, "fp8": 8, "qint8": 8, "int8": 8,
               "qint4": 4, "uint4": 4, "int4": 4, "nf4": 4, "fp4": 4,
               "uint2": 2, "uint3": 3, "uint5": 5, "uint6": 6, "uint7": 7}
@@ -76,7 +76,7 @@ DTYPES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "b
           "fp16": "fp16", "float16": "fp16", "half": "fp16"}
 
 def qtype_bits(qtype: Any) -> tuple[int, str]:
-    """(bits, bitsandbytes 4-bit type) of an AI Toolkit qtype such as 'qfloat8' or 'uint4|ostris/...'."""
+    """(bits, 4-bit kind) of an AI Toolkit qtype such as 'qfloat8' or 'uint4|ostris/...'."""
     base = str(qtype).split("|")[0].strip().lower()
     return QTYPE_BITS[base], "fp4" if base == "fp4" else "nf4"
 

@@ -27,7 +27,6 @@ each storage is also counted as the CUDA caching allocator hands it out; a GPU o
 from __future__ import annotations
 
 import gc
-import os
 import time
 import weakref
 from contextlib import contextmanager, nullcontext
@@ -35,7 +34,11 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+    is_traceable_wrapper_subclass_type,
+)
 from torch.utils._pytree import tree_map_only
 
 from fitfinder.units import format_bytes
@@ -57,6 +60,11 @@ class StorageTracker(TorchDispatchMode):
         self.paused = 0  # > 0 while tensors are made in host memory (meter.host())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            # A quantized weight (quanto's) computes with its inner tensors: let its own dispatch
+            # run and count what that makes (the weight it dequantizes for a backward, which a GPU
+            # allocates too), as FakeTensorMode does for the estimate.
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
         if not self.paused:
             for tensor in tensors_returned(out):
@@ -64,6 +72,10 @@ class StorageTracker(TorchDispatchMode):
         return out
 
     def add(self, tensor: torch.Tensor) -> None:
+        if is_traceable_wrapper_subclass(tensor):  # a quantized weight: its inner tensors hold the bytes
+            for inner in inner_tensors(tensor):
+                self.add(inner)
+            return
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
@@ -91,6 +103,10 @@ class StorageTracker(TorchDispatchMode):
 
     def drop(self, tensor: torch.Tensor) -> None:
         """Stop counting a tensor's storage (it left the simulated device)."""
+        if is_traceable_wrapper_subclass(tensor):
+            for inner in inner_tensors(tensor):
+                self.drop(inner)
+            return
         try:
             key = tensor.untyped_storage()._cdata
         except (RuntimeError, NotImplementedError):
@@ -199,12 +215,9 @@ def tensors_of(*objects: Any) -> Iterator[torch.Tensor]:
         if isinstance(obj, torch.nn.Module):
             for param in obj.parameters():
                 yield param
-                yield from _quantization_tensors(param)
                 if param.grad is not None:
                     yield param.grad
             yield from obj.buffers()
-            for module in obj.modules():
-                yield from _quantization_tensors(getattr(module, "state", None))
         elif isinstance(obj, torch.optim.Optimizer):
             for state in obj.state.values():
                 yield from (v for v in state.values() if isinstance(v, torch.Tensor))
@@ -216,26 +229,14 @@ def tensors_of(*objects: Any) -> Iterator[torch.Tensor]:
             yield from tensors_of(*obj.values())
 
 
-def _quantization_tensors(holder: Any) -> Iterator[torch.Tensor]:
-    """What bitsandbytes keeps beside a quantized weight, outside parameters and buffers.
-
-    Int8Params and a Linear8bitLt's matmul state hold `CB` (the int8 weight) and `SCB` (row
-    scales); Params4bit holds a `quant_state` with the block absmax and the code book, nested once
-    more with double quantization.
-    """
-    if holder is None:
+def inner_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The plain tensors inside a tensor subclass such as quanto's quantized weights (`_data` and
+    `_scale`, each maybe a subclass again): the wrapper itself holds no memory."""
+    if not is_traceable_wrapper_subclass(tensor):
+        yield tensor
         return
-    for name in ("CB", "SCB"):
-        value = getattr(holder, name, None)
-        if isinstance(value, torch.Tensor):
-            yield value
-    state = getattr(holder, "quant_state", None)
-    while state is not None:
-        for name in ("absmax", "code", "offset"):
-            value = getattr(state, name, None)
-            if isinstance(value, torch.Tensor):
-                yield value
-        state = getattr(state, "state2", None)
+    for name in tensor.__tensor_flatten__()[0]:
+        yield from inner_tensors(getattr(tensor, name))
 
 
 class _PhaseClock:
@@ -259,6 +260,10 @@ class _PhaseClock:
 
     def replay_repeated_blocks(self, *parts: torch.nn.Module) -> None:
         """Only the estimate meter replays identical blocks (RepeatedBlocks); real tensors run."""
+
+    def repeated(self, key: Any, make, remake) -> Any:
+        """`make()`; only the estimate meter replays a repeat of the same `key` (see EstimateMeter)."""
+        return make()
 
 
 class SimMeter(_PhaseClock):
@@ -357,6 +362,7 @@ class EstimateMeter(SimMeter):
         self.overhead = GpuOverhead.from_dict(overhead)
         self.tracker = AllocatorTracker()
         self.outside_bytes = self.overhead.context_bytes
+        self._repeated: dict = {}
 
     def __enter__(self) -> "EstimateMeter":
         self.fake_mode = _counting_fake_mode(self.tracker)
@@ -388,6 +394,28 @@ class EstimateMeter(SimMeter):
 
         with unset_fake_temporarily(), self.tracker:
             yield
+
+    def repeated(self, key: Any, make, remake) -> Any:
+        """The first call of a `key` runs `make()` and records how far it rose over the live bytes;
+        a repeat raises the peaks by as much and runs `remake()`, which makes the same outputs
+        without the ops (fresh fake tensors of the same layouts). For work whose allocations depend
+        on shapes only, such as quantizing 500 layers of a few shapes: the counts are what running
+        it would give, at a fraction of the time."""
+        tracker = self.tracker
+        key = (key, tracker.paused > 0)
+        rises = self._repeated.get(key)
+        if rises is not None:
+            tracker.peak_bytes = max(tracker.peak_bytes, tracker.live_bytes + rises[0])
+            tracker.peak_allocated_bytes = max(tracker.peak_allocated_bytes, tracker.allocated_bytes + rises[1])
+            return remake()
+        live, allocated = tracker.live_bytes, tracker.allocated_bytes
+        peaks = tracker.peak_bytes, tracker.peak_allocated_bytes
+        tracker.peak_bytes, tracker.peak_allocated_bytes = live, allocated
+        out = make()
+        self._repeated[key] = (tracker.peak_bytes - live, tracker.peak_allocated_bytes - allocated)
+        tracker.peak_bytes = max(peaks[0], tracker.peak_bytes)
+        tracker.peak_allocated_bytes = max(peaks[1], tracker.peak_allocated_bytes)
+        return out
 
     def replay_repeated_blocks(self, *parts: torch.nn.Module) -> RepeatedBlocks:
         blocks = RepeatedBlocks(self.tracker)
@@ -443,7 +471,7 @@ class RepeatedBlocks:
     def _key(self, block, args, kwargs) -> tuple | None:
         live = self.tracker.live
         params = tuple((tuple(t.shape), t.dtype, t.untyped_storage()._cdata in live)
-                       for t in [*block.parameters(), *block.buffers()])
+                       for held in [*block.parameters(), *block.buffers()] for t in inner_tensors(held))
         signature = _signature((args, tuple(sorted(kwargs.items()))))
         return None if signature is None else (type(block), params, signature)
 
@@ -643,14 +671,10 @@ def make(kind: str, budget_bytes: int | None, gpu: int = 0, overhead: dict | Non
     if kind == "estimate":
         return EstimateMeter(budget_bytes, overhead)
     if kind == "cuda":
-        # Must be set before the allocator's first use; the runner sets it for its children too.
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
+        # Under the user's PYTORCH_CUDA_ALLOC_CONF, if any: AI Toolkit sets none (its run.py and
+        # toolkit/ at commit 27a03a91 never write it), so neither does the probe.
         return CudaMeter(budget_bytes, gpu)
     if kind == "sim":
         return SimMeter(budget_bytes)
     raise ValueError(f"unknown meter {kind!r}; known: sim, cuda, estimate")
 
-
-# Expandable segments: less fragmentation, as recent AI Toolkit versions recommend; a user's own
-# PYTORCH_CUDA_ALLOC_CONF wins.
-CUDA_ALLOC_CONF = "expandable_segments:True"

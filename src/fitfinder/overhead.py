@@ -9,9 +9,10 @@ An estimate counts tensor storages. A card shows more (the cuda meter reports it
 - the caching allocator's fragmentation: reserved segments it cannot hand out in one piece,
   as a share of the peak allocated bytes: `fragmentation`.
 
-The defaults are documented guesses for a recent card with `expandable_segments:True` (which
-the probes set); `fitfinder calibrate --gpu N` measures the three on a real card and stores
-them under the cache folder, keyed by the card's name, for later estimates.
+The defaults are documented guesses for a recent card; the probes, like AI Toolkit, run under
+the user's PYTORCH_CUDA_ALLOC_CONF (the default allocator unless they set one).
+`fitfinder calibrate --gpu N` measures the three on a real card under that same setting and
+stores them under the cache folder, keyed by the card's name, for later estimates.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ DEFAULT_CONTEXT_BYTES = 512 * MiB
 # PyTorch's default cuBLAS workspace on Hopper (CUBLAS_WORKSPACE_CONFIG=:4096:8, 32 MiB); older
 # cards default to less (:4096:2:16:8, about 8 MiB), so this errs on the heavy side.
 DEFAULT_WORKSPACE_BYTES = 32 * MiB
-# Reserved over allocated at a phase's peak, with expandable segments: a few percent.
+# Reserved over allocated at a phase's peak: a few percent. Measured with expandable segments;
+# the default allocator (what AI Toolkit runs under) is not yet calibrated on a card (docs/fidelity.md).
 DEFAULT_FRAGMENTATION = 0.03
 
 
@@ -184,10 +186,7 @@ def calibrate(index: int, folder: Path | None = None) -> tuple[GpuOverhead, Path
     import sys
 
     script = Path(__file__).with_name("_calibrate_gpu.py")
-    from fitfinder.meter import CUDA_ALLOC_CONF
-
-    env = dict(os.environ)
-    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)  # measured as the probes allocate
+    env = dict(os.environ)  # measured under the user's allocator setting, as the probes and AI Toolkit run
     try:
         done = subprocess.run([sys.executable, str(script), str(index)], capture_output=True, text=True,
                               timeout=CALIBRATE_TIMEOUT_S, env=env)

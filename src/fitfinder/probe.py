@@ -13,8 +13,9 @@ The recipe, phase by phase, each metered on its own (AI Toolkit's order and devi
     load          every part (denoiser(s), text encoder(s), VAE), quantized as asked, a LoRA on the
                   trained denoiser(s); without low_vram all on the device, with it all in host memory
     text_encoder  prompts through the text encoders: a batch of captions when they stay loaded (each
-                  step encodes its captions); one prompt at a time when embeddings are cached or the
-                  encoders unloaded, after which they leave the device
+                  step encodes its captions); one prompt at a time when embeddings are cached (the
+                  encoders alone on the device, then unloaded) or the encoders unloaded (moved to the
+                  host after, back on the device for previews)
     latents       images through the VAE encoder at the heaviest bucket and clip: the whole batch when
                   latents are not cached (each step encodes its batch; the VAE stays on the device),
                   one image when they are (AI Toolkit's caching pass, everything but the VAE moved off)
@@ -27,8 +28,9 @@ The recipe, phase by phase, each metered on its own (AI Toolkit's order and devi
                   state still held
 
 Request (built by `request_for` from a job file with AI Toolkit's defaults): model (see
-models.model_spec), dtype, quantize and quantize_te (None, 8 or 4 bits) with quant_type and
-quant_type_te, low_vram, text_encoder ("keep", "cache" or "unload"), cache_latents, shapes
+models.model_spec), dtype, quantize and quantize_te (None or the bits) with quant_type and
+quant_type_te (AI Toolkit's qtype names, see models._weights.quantize), low_vram, text_encoder
+("keep", "cache" or "unload"), cache_latents, shapes
 ([resolution, frames] pairs the datasets train on), batch_size, accumulation,
 gradient_checkpointing, rank, alpha, optimizer, lr, trained (the denoisers that get a LoRA),
 switch_every (two-expert models), sample ({first, last, width, height, frames, steps,
@@ -50,6 +52,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -77,13 +80,15 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
     quantize_te = job.get("model.quantize_te", None)
     if quantize_te is None:  # AI Toolkit: quantize_te defaults to quantize
         quantize_te = job.get("model.quantize")
-    bits, quant_type = jobconfig.qtype_bits(job.get("model.qtype")) if job.get("model.quantize") else (None, "nf4")
-    bits_te, quant_type_te = jobconfig.qtype_bits(job.get("model.qtype_te")) if quantize_te else (None, "nf4")
+    # The families probed here quantize their T5/UMT5 encoder with model.qtype, not qtype_te (see
+    # models.Family.quantized_text_encoders).
+    qtype = str(job.get("model.qtype")).split("|")[0].strip().lower()
+    bits = jobconfig.qtype_bits(qtype)[0]
     return {
         "model": spec,
         "dtype": jobconfig.DTYPES[str(job.get("train.dtype")).lower()],
-        "quantize": bits, "quant_type": quant_type,
-        "quantize_te": bits_te, "quant_type_te": quant_type_te,
+        "quantize": bits if job.get("model.quantize") else None, "quant_type": qtype,
+        "quantize_te": bits if quantize_te else None, "quant_type_te": qtype,
         "low_vram": bool(job.get("model.low_vram")),
         "text_encoder": _text_encoder_mode(job),
         "cache_latents": _latents_cached(job),
@@ -98,6 +103,10 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
         "trained": _trained_denoisers(job, family),
         "switch_every": int(job.get("train.switch_boundary_every")),
         "sample": _sample_settings(job, family.video),
+        "ema": bool(job.get("train.ema_config.use_ema", False)),
+        # AI Toolkit counts a step per micro-batch with gradient_accumulation_steps and samples on
+        # that count (BaseSDTrainProcess.run), so a preview can land while gradients accumulate.
+        "preview_holds_gradients": int(job.get("train.gradient_accumulation_steps")) > 1,
         "steps": int(steps),
         "meter": meter,
         "budget_bytes": budget_bytes,
@@ -107,8 +116,10 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
 
 
 def _text_encoder_mode(job) -> str:
-    """cache: all captions encoded before training; unload: trigger and sample prompts only; keep."""
-    if job.get("train.cache_text_embeddings"):
+    """cache: all captions encoded before training; unload: trigger and sample prompts only; keep.
+    AI Toolkit caches when the train section or any dataset says so (BaseSDTrainProcess:
+    is_caching_text_embeddings)."""
+    if job.get("train.cache_text_embeddings") or any(job.get("datasets[*].cache_text_embeddings", None)):
         return "cache"
     return "unload" if job.get("train.unload_text_encoder") else "keep"
 
@@ -145,11 +156,28 @@ def _trained_denoisers(job, family) -> list[str]:
 
 def _sample_settings(job, video: bool) -> dict[str, Any]:
     enabled = not job.get("train.disable_sampling")
+    width, height = _preview_size(job)
     return {"first": enabled and not job.get("train.skip_first_sample"), "last": enabled,
-            "width": int(job.get("sample.width")), "height": int(job.get("sample.height")),
+            "width": width, "height": height,
             "frames": int(job.get("sample.num_frames")) if video else 1,
             "steps": min(SAMPLE_STEPS, int(job.get("sample.sample_steps"))),
             "guidance_scale": float(job.get("sample.guidance_scale"))}
+
+
+def _preview_size(job) -> tuple[int, int]:
+    """The largest preview (by pixels): sample.width x height, each of sample.samples' own
+    width/height, and a prompt's `--w`/`--h` flags (AI Toolkit's SampleConfig and
+    GenerateImageConfig read them per prompt, commit 27a03a91)."""
+    default = (int(job.get("sample.width")), int(job.get("sample.height")))
+    sizes = [default]
+    for item in (job.get("sample.samples", None) or []) + (job.get("sample.prompts", None) or []):
+        if isinstance(item, dict):
+            sizes.append((int(item.get("width", default[0])), int(item.get("height", default[1]))))
+            item = item.get("prompt", "")
+        if isinstance(item, str):
+            found = {flag: int(value) for flag, value in re.findall(r"--([wh])\s+(\d+)", item)}
+            sizes.append((found.get("w", default[0]), found.get("h", default[1])))
+    return max(sizes, key=lambda size: (size[0] * size[1], size))
 
 
 # -- the recipe (child) ------------------------------------------------------------------------
@@ -219,6 +247,7 @@ def _recipe(request: dict, meter, result: dict) -> None:
     sample = request["sample"]
     with meter.phase("load"):
         pipe = models.load_pipeline(request["model"], request, meter)
+        ema = _ema_shadow(pipe, request)
     meter.replay_repeated_blocks(*pipe.parts.values())
     with _phase("text_encoder", pipe, request):
         prompts = _encode_text(pipe, request)
@@ -229,17 +258,17 @@ def _recipe(request: dict, meter, result: dict) -> None:
         _encode_latents(pipe, request)
     if sample["first"]:
         with _phase("sample", pipe, request):
-            _sample(pipe, request, prompts)
+            _sample(pipe, request, prompts, ema)
     with _phase("train", pipe, request):
         prompts["train"] = {key: meter.to_device(value) for key, value in prompts["train"].items()}
-        optimizer = _train(pipe, request, prompts, result)
+        optimizer = _train(pipe, request, prompts, result, ema)
     del prompts["train"]  # and end with the training steps
     if sample["last"]:
         # A preview during training: the optimizer's state is still held, as in a run that
         # samples every N steps.
-        with _phase("last_sample", pipe, request):
-            _sample(pipe, request, prompts)
-    del optimizer
+        with _phase("last_sample", pipe, request), _gradients_held(pipe, request):
+            _sample(pipe, request, prompts, ema)
+    del optimizer, ema
 
 
 @contextlib.contextmanager
@@ -258,25 +287,31 @@ def _phase(name: str, pipe, request: dict):
 
 
 def resident(phase: str, request: dict, family, active: str | None = None) -> set[str]:
-    """The parts on the device during `phase`.
+    """The parts on the device during `phase`, as AI Toolkit's device presets place them
+    (toolkit/stable_diffusion_model.py, set_device_state_preset; AI Toolkit commit 27a03a91).
 
-    Without low_vram: AI Toolkit's device presets. Everything loaded stays, except that cached or
-    unloaded text encoders leave after their phase, the latent-caching pass moves all but the VAE
-    off, and cached latents keep the VAE off during training (it comes back for previews). With
-    low_vram only the parts a phase uses, and of two experts only the `active` one.
+    Without low_vram everything loaded stays, except: the text-embedding caching pass holds the
+    encoders alone ('cache_text_encoder'), cached embeddings unload the encoders for good
+    (toolkit/unloader.py), `unload_text_encoder` moves them to the host after encoding and
+    previews bring them back ('generate' places every part, SDTrainer's hook_before_train_loop
+    only moves them to the CPU); the latent-caching pass moves all but the VAE off, and cached
+    latents keep the VAE off during training (it comes back for previews). With low_vram only the
+    parts a phase uses, and of two experts only the `active` one.
     """
     encoders = set(family.text_encoders)
-    kept = encoders if request["text_encoder"] == "keep" else set()
+    mode = request["text_encoder"]
+    kept = encoders if mode == "keep" else set()
+    previews = encoders if mode != "cache" else set()
     denoisers, cached = set(family.denoisers), request["cache_latents"]
     if request["low_vram"]:
         denoisers = {active} if active else set(request["trained"][:1])
     if phase == "text_encoder":
-        return encoders if request["low_vram"] else denoisers | encoders | {"vae"}
+        return encoders if request["low_vram"] or mode == "cache" else denoisers | encoders | {"vae"}
     if phase == "latents" and cached:
         return {"vae"}
     if phase in ("latents", "train"):
         return denoisers | kept | (set() if cached and phase == "train" else {"vae"})
-    return denoisers | kept | {"vae"}  # sample, last_sample
+    return denoisers | previews | {"vae"}  # sample, last_sample
 
 
 def _accepted_size(pipe, resolution: int) -> int:
@@ -314,7 +349,7 @@ def _encode_text(pipe, request: dict) -> dict:
             prompts["sample"] = pipe.recipe.encode_prompts(encoders, 1)
             prompts["negative"] = pipe.recipe.encode_prompts(encoders, 1)
     del encoders
-    if request["text_encoder"] == "unload":
+    if request["text_encoder"] == "cache":  # unloaded for good; "unload" only moves them off
         for name in pipe.family.text_encoders:
             pipe.unload(name)
     return prompts
@@ -332,8 +367,80 @@ def _encode_latents(pipe, request: dict) -> None:
     del latents
 
 
-def _sample(pipe, request: dict, prompts: dict) -> None:
+def _ema_shadow(pipe, request: dict) -> list | None:
+    """AI Toolkit's EMA (train.ema_config.use_ema): a copy of the trained LoRA weights (fp32) on
+    the device, made before the first preview (BaseSDTrainProcess.setup_ema, toolkit/ema.py)."""
+    if not request.get("ema"):
+        return None
+    import torch
+
+    with torch.no_grad():
+        return [param.detach().to(pipe.meter.device, copy=True)
+                for param in pipe.trainable_parameters(request["trained"])]
+
+
+def _ema_update(pipe, request: dict, ema: list | None) -> None:
+    """toolkit/ema.py update() after each optimizer step: one weight-sized difference at a time."""
+    if ema is None:
+        return
+    import torch
+
+    with torch.no_grad():
+        for shadow, param in zip(ema, pipe.trainable_parameters(request["trained"])):
+            difference = shadow - param
+            difference.mul_(0.01)
+            shadow.sub_(difference)
+            del difference
+
+
+@contextlib.contextmanager
+def _ema_weights(pipe, request: dict, ema: list | None):
+    """A preview with the EMA's weights: AI Toolkit's sample() calls ema.eval(), which clones the
+    trained weights (store) and copies the shadow in, and ema.train() after, which restores them."""
+    if ema is None:
+        yield
+        return
+    import torch
+
+    params = pipe.trainable_parameters(request["trained"])
+    with torch.no_grad():
+        stored = [param.detach().clone() for param in params]
+        for param, shadow in zip(params, ema):
+            param.data.copy_(shadow)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for param, kept in zip(params, stored):
+                param.data.copy_(kept)
+        del stored
+
+
+@contextlib.contextmanager
+def _gradients_held(pipe, request: dict):
+    """The LoRA's gradients alive through a preview that lands in the middle of an accumulation."""
+    if not request.get("preview_holds_gradients"):
+        yield
+        return
+    import torch
+
+    params = pipe.trainable_parameters(request["trained"][:1])
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    try:
+        yield
+    finally:
+        for param in params:
+            param.grad = None
+
+
+def _sample(pipe, request: dict, prompts: dict, ema: list | None = None) -> None:
     """A preview as AI Toolkit renders one: denoising steps with guidance, then the VAE decode."""
+    with _ema_weights(pipe, request, ema):
+        _denoise_and_decode(pipe, request, prompts)
+
+
+def _denoise_and_decode(pipe, request: dict, prompts: dict) -> None:
     import torch
 
     settings, recipe = request["sample"], pipe.recipe
@@ -363,7 +470,7 @@ def _expert(pipe, level: float) -> str:
     return denoisers[0] if level >= pipe.arch.get("boundary_ratio", 0.875) else denoisers[1]
 
 
-def _train(pipe, request: dict, prompts: dict, result: dict):
+def _train(pipe, request: dict, prompts: dict, result: dict, ema: list | None = None):
     """LoRA steps over the shape schedule; the optimizer steps every `accumulation` micro-steps.
     Returns the optimizer, whose state outlives the phase (previews happen during training)."""
     import torch
@@ -407,6 +514,7 @@ def _train(pipe, request: dict, prompts: dict, result: dict):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             pipe.meter.register(optimizer)
+            _ema_update(pipe, request, ema)
         timings.append(time.perf_counter() - start)
         result["steps_run"] = step + 1
     steady = timings[1:] or timings  # the first step pays one-time costs
@@ -520,12 +628,9 @@ class ProbeRunner:
     def __init__(self, timeout_s: float = 600.0):
         import multiprocessing
 
-        from fitfinder.meter import CUDA_ALLOC_CONF
-
         self.timeout_s = timeout_s
-        # The forkserver and its children inherit this environment when the server starts: the
-        # allocator setting must be there before any child touches CUDA.
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
+        # Children inherit the user's environment, PYTORCH_CUDA_ALLOC_CONF included: AI Toolkit sets
+        # no allocator option of its own, so the probe measures the allocator the training will have.
         _children_import_this_fitfinder()
         self.context = multiprocessing.get_context("forkserver")
         self.context.set_forkserver_preload(["fitfinder._preload"])

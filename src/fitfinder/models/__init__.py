@@ -42,6 +42,12 @@ class Family:
     classes: dict[str, str]  # part -> "library.ClassName"
     lora_blocks: str  # regex of the module names whose Linear layers the LoRA trains
     video: bool = False
+    # What AI Toolkit's loader quantizes (AI Toolkit commit 27a03a91): `model.quantize` the
+    # denoiser(s) unless the loader never does (SDXL's branch of toolkit/stable_diffusion_model.py
+    # load_model has no quantize call); `model.quantize_te` these encoders, with `model.qtype`
+    # (Flux: T5 in load_model; Wan: UMT5 in toolkit/models/wan21/wan21.py load_model). CLIP never.
+    quantized_denoisers: bool = True
+    quantized_text_encoders: tuple[str, ...] = ()
 
     @property
     def parts(self) -> tuple[str, ...]:
@@ -57,14 +63,17 @@ FAMILIES: dict[str, Family] = {
     "flux": Family("flux", ("transformer",), ("text_encoder", "text_encoder_2"),
                    {"transformer": "diffusers.FluxTransformer2DModel", "text_encoder": "transformers.CLIPTextModel",
                     "text_encoder_2": "transformers.T5EncoderModel", "vae": "diffusers.AutoencoderKL"},
-                   r"(single_)?transformer_blocks\.\d+\..*"),
+                   r"(single_)?transformer_blocks\.\d+\..*", quantized_text_encoders=("text_encoder_2",)),
     "sdxl": Family("sdxl", ("unet",), ("text_encoder", "text_encoder_2"),
                    {"unet": "diffusers.UNet2DConditionModel", "text_encoder": "transformers.CLIPTextModel",
                     "text_encoder_2": "transformers.CLIPTextModelWithProjection", "vae": "diffusers.AutoencoderKL"},
-                   r"(down_blocks|up_blocks)\.\d+\.attentions\.\d+\..*|mid_block\.attentions\.\d+\..*"),
-    "wan21": Family("wan21", ("transformer",), ("text_encoder",), _WAN, r"blocks\.\d+\..*", video=True),
+                   r"(down_blocks|up_blocks)\.\d+\.attentions\.\d+\..*|mid_block\.attentions\.\d+\..*",
+                   quantized_denoisers=False),
+    "wan21": Family("wan21", ("transformer",), ("text_encoder",), _WAN, r"blocks\.\d+\..*", video=True,
+                    quantized_text_encoders=("text_encoder",)),
     "wan22": Family("wan22", ("transformer", "transformer_2"), ("text_encoder",),
-                    {**_WAN, "transformer_2": "diffusers.WanTransformer3DModel"}, r"blocks\.\d+\..*", video=True),
+                    {**_WAN, "transformer_2": "diffusers.WanTransformer3DModel"}, r"blocks\.\d+\..*", video=True,
+                    quantized_text_encoders=("text_encoder",)),
 }
 # AI Toolkit's `model.arch` values (the part before a ':' such as in 'wan21:14b') -> family.
 ARCH_VALUES = {

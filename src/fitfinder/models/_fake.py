@@ -12,9 +12,9 @@ storage tracker counts the bytes a GPU would hold. What differs from the real bu
 - The LoRA is added on meta the same way, cast as peft casts it, then materialized.
 - No weights are read: a pretrained job's folder only lends its config files.
 
-Code that needs real values (bitsandbytes builds its quantization code books with `.tolist()`)
-runs under the meter's `concrete()`; quantized weights are made by bitsandbytes' own functions
-on fake tensors (see `_weights._quantized_twin`), so their byte sizes are the real ones.
+Code that needs real values (bitsandbytes builds AdamW8bit's code books with `.tolist()`)
+runs under the meter's `concrete()`. Quantization needs none: quanto's and the grouped formats'
+ops run on the fake weights themselves (`_weights.quantize`), so their byte sizes are the real ones.
 """
 
 from __future__ import annotations

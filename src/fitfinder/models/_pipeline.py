@@ -54,19 +54,16 @@ def load(spec: dict, settings: dict, meter) -> Pipeline:
     pipe = Pipeline(spec, settings, meter)
     low_vram = settings["low_vram"]
     for part in pipe.family.parts:
-        bits, quant_type = _quantization(pipe.family, part, settings)
+        qtype = _quantization(pipe.family, part, settings)
         with meter.host():
             module = _build(spec, part, pipe.dtype, "cpu" if low_vram else meter.device, meter)
-            if bits and low_vram:
-                with meter.concrete():
-                    quantize(module, bits, pipe.dtype, quant_type)
+            if qtype and low_vram:
+                quantize(module, qtype, meter.repeated)
         pipe.parts[part] = module
         if not low_vram:
             pipe.place(pipe.on_device | {part})
-            if bits:
-                with meter.concrete():
-                    quantize(pipe.parts[part], bits, pipe.dtype, quant_type)
-                meter.register(pipe.parts[part])  # bitsandbytes keeps row scales outside the dispatch's sight
+            if qtype:
+                quantize(pipe.parts[part], qtype, meter.repeated)
     for name in settings["trained"]:
         if name in pipe.on_device:
             _add_lora(pipe, name, settings)
@@ -83,21 +80,24 @@ def _build(spec: dict, part: str, dtype: torch.dtype, device, meter) -> torch.nn
     return build_part(spec, part, dtype, device)
 
 
-def _quantization(family, part: str, settings: dict) -> tuple[int | None, str]:
-    if part in family.denoisers:
-        return settings["quantize"], settings.get("quant_type", "nf4")
-    if part in family.text_encoders:
-        return settings["quantize_te"], settings.get("quant_type_te", "nf4")
-    return None, "nf4"
+def _quantization(family, part: str, settings: dict) -> str | None:
+    """The qtype AI Toolkit's loader gives this part, or None (see Family.quantized_*)."""
+    if part in family.denoisers and family.quantized_denoisers and settings["quantize"]:
+        return settings["quant_type"]
+    if part in family.quantized_text_encoders and settings["quantize_te"]:
+        return settings["quant_type_te"]
+    return None
 
 
 def _add_lora(pipe: Pipeline, name: str, settings: dict) -> None:
-    """A fresh peft LoRA on the family's targets, in the training dtype; gradient checkpointing as asked.
+    """A fresh peft LoRA on the family's targets, in fp32; gradient checkpointing as asked.
 
-    peft builds each adapter in host memory and then moves it next to its base layer, in the base
-    layer's dtype when that is a floating one: a card never holds the fp32 copies it starts from,
-    so the device counts the adapter from that move on. The cast to the training dtype happens
-    where the denoiser is.
+    AI Toolkit trains the LoRA in fp32 whatever `train.dtype` says (jobs/process/BaseSDTrainProcess.py:
+    `self.network.force_to(self.device_torch, dtype=torch.float32)`, AI Toolkit commit 27a03a91), and
+    its forward casts each adapted layer's input to fp32 (toolkit/network_mixins.py, forward: "always
+    cast to float32"), which autograd keeps for the backward. peft does the same with fp32 adapters
+    (it casts the input to the adapter's dtype). peft builds each adapter in host memory and moves it
+    next to its base layer; the device counts it from that move on, and the cast happens there.
     """
     from peft import LoraConfig
 
@@ -115,6 +115,6 @@ def _add_lora(pipe: Pipeline, name: str, settings: dict) -> None:
         pipe.meter.register(denoiser)
     for param in denoiser.parameters():
         if param.requires_grad:
-            param.data = param.data.to(pipe.dtype)  # AI Toolkit trains the LoRA in train.dtype
+            param.data = param.data.to(torch.float32)
     if settings["gradient_checkpointing"]:
         denoiser.enable_gradient_checkpointing()

@@ -145,71 +145,235 @@ def keep_in_fp32(module: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 # -- quantization ---------------------------------------------------------------------------------
-def quantize(module: torch.nn.Module, bits: int, compute_dtype: torch.dtype, quant_type: str = "nf4") -> int:
-    """Swap every nn.Linear for its bitsandbytes 8-bit or 4-bit twin, in place, where its weight lives.
+# AI Toolkit's qtype names (toolkit/util/quantize.py, get_qtype; AI Toolkit commit 27a03a91) -> how
+# the probe quantizes: optimum-quanto for its q* types; torchao's float8/int8 weight-only types hold
+# the same bytes (one per weight and a scale per row) and run here as quanto's; AI Toolkit's own
+# grouped uint2..uint7 (toolkit/util/uintx_quant.py) as `GroupedLinear`. quanto's qint4 picks its
+# TinyGemm layout on CPUs and recent GPUs, which has no fake-tensor path: it runs as a grouped
+# layer of the same bytes (4 bits, groups of 128, a bf16 scale and shift per group). nf4 and fp4 are
+# no AI Toolkit names; the probe reads them as uint4.
+QUANTO_TYPES = {"qfloat8": "qfloat8", "qfloat8_e4m3fn": "qfloat8", "float8": "qfloat8", "float8_e4m3fn": "qfloat8",
+                "fp8": "qfloat8", "qint8": "qint8", "int8": "qint8"}
+GROUPED_TYPES = {**{f"uint{bits}": (bits, 64, "zero_point") for bits in range(2, 8)},
+                 "qint4": (4, 128, "shift"), "int4": (4, 128, "shift"), "nf4": (4, 64, "zero_point"),
+                 "fp4": (4, 64, "zero_point")}
 
-    Layer by layer, so the transient is one layer: the full-precision weight is freed as soon as
-    its quantized twin exists. diffusers' BitsAndBytesConfig refuses to run without a GPU, so the
-    swap is done here; `is_loaded_in_8bit`/`_4bit` tell peft to wrap the quantized layers. As that
-    config does, a diffusers model's fp32-kept modules stay as they are (Wan casts its timestep to
-    the dtype of its time embedder's first weight, which must stay a float).
+
+def quantize(module: torch.nn.Module, qtype: str, repeated=None) -> int:
+    """Every nn.Linear quantized as AI Toolkit quantizes it, in place, where its weight lives.
+
+    AI Toolkit's `quantize` swaps each Linear for its quantized module and `freeze` then replaces
+    each full-precision weight by its quantized copy, one layer after the other: the transient is
+    one layer. The same happens here layer by layer. As quanto's own loop does, a diffusers model's
+    fp32-kept modules stay as they are (Wan casts its timestep to the dtype of its time embedder).
+    `repeated` is the meter's (see meter.EstimateMeter.repeated): on fake tensors, a layer of a
+    shape already quantized is made by copying that layer's layout instead of running the ops.
     Returns the number of layers quantized.
     """
+    base = qtype.split("|")[0].strip().lower()
     kept = (getattr(module, "_keep_in_fp32_modules", None) or []) if _is_diffusers(type(module)) else []
+    # AI Toolkit's grouped formats leave a layer whose input is no whole number of groups as it is
+    # (UIntXQuantizer.can_quantize).
+    group = GROUPED_TYPES[base][1] if base in GROUPED_TYPES else 1
     names = [name for name, child in module.named_modules()
-             if type(child) is torch.nn.Linear and not any(k in name.split(".") for k in kept)]
+             if type(child) is torch.nn.Linear and not any(k in name.split(".") for k in kept)
+             and child.in_features % group == 0]
     for name in names:
         parent_name, _, child_name = name.rpartition(".")
         parent = module.get_submodule(parent_name)
         linear = getattr(parent, child_name)
-        setattr(parent, child_name, _quantized_twin(linear, bits, compute_dtype, quant_type))
+        weight = linear.weight
+        key = (base, tuple(weight.shape), weight.dtype, weight.device, linear.bias is not None)
+
+        def make(linear=linear, key=key):
+            layer = _quantized(linear, base)
+            _LAYOUTS[key] = _layout(layer)
+            return layer
+
+        if repeated is None:
+            quantized = make()
+        else:
+            quantized = repeated(("quantize", key), make, lambda linear=linear, key=key: _like(_LAYOUTS[key], linear))
+        setattr(parent, child_name, quantized.train(linear.training))
         del linear
-    if bits == 8:
-        module.is_loaded_in_8bit = True
-    else:
-        module.is_loaded_in_4bit = True
     return len(names)
 
 
-def _quantized_twin(linear: torch.nn.Linear, bits: int, compute_dtype: torch.dtype, quant_type: str):
-    import bitsandbytes as bnb
-    from bitsandbytes.functional import int8_vectorwise_quant, quantize_4bit
-
-    weight, bias = linear.weight.data, linear.bias
-    if bits == 8:
-        layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=False,
-                                    has_fp16_weights=False, device="meta")
-        int8, scales, _ = int8_vectorwise_quant(weight.to(torch.float16))
-        layer.weight = _parameter(bnb.nn.Int8Params, int8, has_fp16_weights=False, CB=int8, SCB=scales)
-    else:
-        layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=False, compute_dtype=compute_dtype,
-                                  quant_type=quant_type, device="meta")
-        packed, state = quantize_4bit(weight, blocksize=64, quant_type=quant_type, quant_storage=torch.uint8,
-                                      compress_statistics=True)
-        layer.weight = _parameter(bnb.nn.Params4bit, packed, quant_state=state, blocksize=64, compress_statistics=True,
-                                  quant_type=quant_type, quant_storage=torch.uint8, bnb_quantized=True, module=layer)
-        # Keep the GPU's layout on a CPU: bitsandbytes would repack 4-bit weights for its CPU
-        # inference kernels (other memory, and only for widths divisible by 64).
-        layer.support_avx512bf16_for_cpu = False
-    layer.bias = bias
-    return layer.train(linear.training)
+def _quantized(linear: torch.nn.Linear, base: str) -> torch.nn.Module:
+    if base in QUANTO_TYPES:
+        return _quanto_linear(linear, QUANTO_TYPES[base])
+    return GroupedLinear.from_linear(linear, *GROUPED_TYPES[base])
 
 
-def _parameter(cls: type, data: torch.Tensor, **attributes) -> torch.nn.Parameter:
-    """bitsandbytes' frozen parameter class around `data`.
+# A quantized layer's class and tensor layouts (as meta tensors, which hold no memory) by the
+# quantized layer's key: what `_like` copies.
+_LAYOUTS: dict[tuple, tuple] = {}
 
-    No tensor subclass can wrap a fake tensor (the estimate meter's): there the same tensors are
-    held by a plain frozen Parameter that carries bitsandbytes' attributes (CB and SCB, or the
-    quant_state), which is all its layers and peft's wrappers read. The bytes are the same.
+
+def _layout(layer: torch.nn.Module) -> tuple:
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        if isinstance(layer, GroupedLinear):
+            described = (GroupedLinear, layer.in_features, layer.out_features, layer.bits, layer.group, layer.offset,
+                         layer.weight_dtype)
+            return described, {name: _meta(getattr(layer, name)) for name in ("packed", "scale", "zero")}
+        names, context = layer.weight.__tensor_flatten__()
+        inner = {name: _meta(getattr(layer.weight, name)) for name in names}
+        scales = {name: _meta(getattr(layer, name)) for name in ("input_scale", "output_scale")}
+        described = (type(layer), layer.weight_qtype, type(layer.weight), context, layer.weight.size(),
+                     layer.weight.stride())
+        return described, {**inner, **scales}
+
+
+def _meta(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+
+
+def _like(layout: tuple, linear: torch.nn.Linear) -> torch.nn.Module:
+    """A quantized layer of a recorded layout, with fresh tensors and `linear`'s bias: what
+    quantizing `linear` makes, without computing it (the estimate's repeats)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    described, templates = layout
+    device = linear.weight.device
+    fresh = {name: _empty_like(template, device) for name, template in templates.items()}
+    if described[0] is GroupedLinear:
+        layer = GroupedLinear(*described[1:], None, linear.bias)
+        for name, tensor in fresh.items():
+            layer.register_buffer(name, tensor, persistent=False)
+        return layer
+    cls, qtype, weight_cls, context, size, stride = described
+    with _disable_current_modes():
+        layer = cls.qcreate(linear, qtype, device="meta")
+    layer.input_scale, layer.output_scale = fresh.pop("input_scale"), fresh.pop("output_scale")
+    weight = weight_cls.__tensor_unflatten__(fresh, context, size, stride)
+    layer.weight, layer.bias = torch.nn.Parameter(weight, requires_grad=False), linear.bias
+    return layer
+
+
+def _empty_like(tensor: torch.Tensor, device) -> torch.Tensor:
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+
+
+def _quanto_linear(linear: torch.nn.Linear, qtype_name: str) -> torch.nn.Module:
+    """quanto's QLinear around the layer's weight, frozen (its weight quantized).
+
+    quanto's `QLinear.from_module` moves the new module with `Module.to`, which fake tensors (the
+    estimate's) refuse; the module is made on meta here instead and given the layer's tensors, which
+    is what that move amounts to. The quantization itself is quanto's, on real or fake tensors.
     """
-    from torch._subclasses.fake_tensor import FakeTensor
+    from optimum import quanto
+    from optimum.quanto.nn import QLinear
+    from torch.utils._python_dispatch import _disable_current_modes
 
-    if not isinstance(data, FakeTensor):
-        return cls(data, requires_grad=False, **attributes)
-    param = torch.nn.Parameter(data, requires_grad=False)
-    for name, value in attributes.items():
-        setattr(param, name, value)
-    return param
+    weight = linear.weight
+    with _disable_current_modes():
+        layer = QLinear.qcreate(linear, getattr(quanto, qtype_name), device="meta")
+    layer.input_scale = torch.ones((), dtype=weight.dtype, device=weight.device)
+    layer.output_scale = torch.ones((), dtype=weight.dtype, device=weight.device)
+    layer.weight, layer.bias = weight, linear.bias
+    layer.freeze()
+    layer.weight.requires_grad_(False)  # freeze() makes a new Parameter; the base stays frozen
+    return layer
+
+
+class GroupedLinear(torch.nn.Linear):
+    """A Linear layer whose weight is held as grouped unsigned codes: AI Toolkit's uint2..uint7.
+
+    Per group of `group` weights along the input: a scale in the weight's dtype and a zero point
+    (uint8; or a shift in the weight's dtype for quanto's qint4 layout). Codes of `bits` bits are
+    packed into power-of-two bit shards (uint3: a 2-bit and a 1-bit shard), as AI Toolkit's
+    `toolkit/util/uintx_quant.py` packs them: uint4 is 0.5 + 3/64 = 0.547 bytes per weight. Its
+    forward, as AI Toolkit's `UIntXQuantizer.forward`, rebuilds the weight outside autograd and calls
+    `F.linear` with it, so autograd keeps the rebuilt weight for the backward (a checkpointed block
+    frees it with the block).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bits: int, group: int, offset: str,
+                 dtype: torch.dtype, device, bias: torch.Tensor | None):
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.group, self.offset, self.weight_dtype = bits, group, offset, dtype
+        self.register_parameter("weight", None)
+        self.bias = bias
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, bits: int, group: int, offset: str) -> GroupedLinear:
+        weight = linear.weight.data
+        layer = cls(linear.in_features, linear.out_features, bits, group, offset, weight.dtype, weight.device,
+                    linear.bias)
+        with torch.no_grad():
+            layer._quantize(weight)
+        return layer
+
+    def _quantize(self, weight: torch.Tensor) -> None:
+        """Asymmetric per-group codes, computed in the weight's dtype as AI Toolkit computes them."""
+        out_f, in_f = weight.shape
+        groups = weight.reshape(out_f, in_f // self.group, self.group)
+        low = torch.clamp(torch.amin(groups, dim=2), max=0)
+        high = torch.clamp(torch.amax(groups, dim=2), min=0)
+        top = (1 << self.bits) - 1
+        scale = torch.clamp((high - low) / top, min=torch.finfo(torch.float32).eps)
+        zero = torch.clamp(torch.round(-low / scale), 0, top)
+        codes = torch.clamp(torch.round(groups / scale.unsqueeze(2)) + zero.unsqueeze(2), 0, top)
+        self.register_buffer("packed", _pack(codes.to(torch.uint8).view(-1), self.bits), persistent=False)
+        self.register_buffer("scale", scale, persistent=False)
+        self.register_buffer("zero", zero.to(torch.uint8) if self.offset == "zero_point" else zero.to(scale.dtype),
+                             persistent=False)
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        """The packed codes: where peft looks for a quantized layer's device."""
+        return self.packed
+
+    def dequantized(self) -> torch.Tensor:
+        out_f, in_f = self.out_features, self.in_features
+        codes = _unpack(self.packed, self.bits, out_f * in_f)
+        weight = codes.view(out_f, in_f // self.group, self.group).to(self.scale.dtype)
+        weight -= self.zero.to(self.scale.dtype).unsqueeze(2)
+        weight *= self.scale.unsqueeze(2)
+        return weight.view(out_f, in_f)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            weight = self.dequantized().to(x.dtype)
+        return torch.nn.functional.linear(x, weight, self.bias)
+
+
+def _shards(bits: int) -> list[int]:
+    return [k for k in (8, 4, 2, 1) if bits & k]
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes of `bits` bits -> one packed uint8 buffer, a power-of-two shard after the other."""
+    shards, offset = [], 0
+    for k in _shards(bits):
+        values = (codes >> offset) & ((1 << k) - 1) if k != bits else codes
+        per_byte = 8 // k
+        values = torch.cat([values, values.new_zeros((-values.numel()) % per_byte)]).view(per_byte, -1)
+        packed = values[0].clone()
+        for j in range(1, per_byte):
+            packed |= values[j] << (j * k)
+        shards.append(packed)
+        offset += k
+    return torch.cat(shards) if len(shards) > 1 else shards[0]
+
+
+def _unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    codes, offset, start = None, 0, 0
+    for k in _shards(bits):
+        per_byte = 8 // k
+        size = -(-count // per_byte)
+        shard = packed[start:start + size]
+        values = torch.empty(per_byte, size, dtype=torch.uint8, device=packed.device)
+        for j in range(per_byte):
+            torch.bitwise_right_shift(shard, j * k, out=values[j])
+        values = values.bitwise_and_((1 << k) - 1).view(-1)[:count]
+        codes = values if codes is None else codes.bitwise_or_(values.bitwise_left_shift_(offset))
+        offset += k
+        start += size
+    return codes
 
 
 # -- LoRA -----------------------------------------------------------------------------------------

@@ -1,0 +1,207 @@
+"""The probe follows AI Toolkit wherever memory moves (docs/fidelity.md has the table)."""
+
+import os
+
+import pytest
+
+from fitfinder import models, probe
+from tests.conftest import tiny_job
+
+MiB = 2**20
+
+
+# -- item 1: 8-bit with optimum-quanto, whose layers let checkpointing free their inputs -----------
+def _checkpointed_blocks(qtype: str | None, blocks: int = 8, width: int = 256):
+    """Live bytes after a checkpointed forward of `blocks` MLP blocks (a LoRA on every Linear), and
+    the bytes of their weights, counted by the sim meter's tracker."""
+    import torch
+    from peft import LoraConfig, inject_adapter_in_model
+    from torch.utils.checkpoint import checkpoint
+
+    from fitfinder.meter import StorageTracker, inner_tensors, tensors_of
+    from fitfinder.models._weights import quantize
+
+    class Mlp(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+        def forward(self, x):
+            return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+    torch.manual_seed(0)
+    stack = torch.nn.ModuleList(Mlp() for _ in range(blocks)).to(torch.bfloat16).requires_grad_(False)
+    if qtype:
+        assert quantize(stack, qtype) == 2 * blocks
+    stack = inject_adapter_in_model(LoraConfig(r=8, target_modules=["up", "down"]), stack)
+    x = torch.randn(4, 512, width, dtype=torch.bfloat16, requires_grad=True)
+    tracker = StorageTracker()
+    with tracker:
+        for tensor in tensors_of(stack, x):
+            tracker.add(tensor)
+        held = tracker.live_bytes
+        y = x
+        for block in stack:
+            y = checkpoint(block, y, use_reentrant=False)
+        after_forward = tracker.live_bytes - held
+        y.float().square().mean().backward()
+    weights = sum(t.untyped_storage().nbytes() for layer in stack.modules() if hasattr(layer, "base_layer")
+                  for held in tensors_of(layer.base_layer) for t in inner_tensors(held))
+    return after_forward, weights
+
+
+@pytest.mark.parametrize("qtype", ["qfloat8", "qint8"])
+def test_checkpointed_8_bit_blocks_keep_no_more_than_plain_ones(qtype):
+    """bitsandbytes' Linear8bitLt kept every layer's input out of checkpointing's sight (+40 MiB on
+    these 8 blocks); quanto's linear saves it with save_for_backward, so checkpointing frees it."""
+    plain, plain_weights = _checkpointed_blocks(None)
+    quantized, quantized_weights = _checkpointed_blocks(qtype)
+    assert quantized_weights < plain_weights * 0.51  # one byte a weight and a scale a row, not two
+    assert quantized <= plain + (plain_weights - quantized_weights)
+    assert quantized == plain  # here exactly: the block outputs, nothing else
+
+
+def test_quanto_weights_count_their_inner_tensors():
+    import torch
+
+    from fitfinder.meter import StorageTracker, tensors_of
+    from fitfinder.models._weights import quantize
+
+    layer = torch.nn.Sequential(torch.nn.Linear(512, 256, bias=False, dtype=torch.bfloat16))
+    quantize(layer, "qfloat8")
+    tracker = StorageTracker()
+    for tensor in tensors_of(layer):
+        tracker.add(tensor)
+    # float8 [256, 512] + a bf16 scale per row + quanto's two scalar scales (input, output)
+    assert tracker.live_bytes == 256 * 512 + 256 * 2 + 2 * 2
+    assert type(layer[0]).__name__ == "QLinear"
+
+
+# -- item 2: AI Toolkit's own grouped formats ------------------------------------------------------
+@pytest.mark.parametrize("qtype, packed", [("uint4", 0.5), ("uint3", 3 / 8), ("uint2", 0.25), ("uint7", 7 / 8)])
+def test_grouped_formats_hold_the_bytes_ai_toolkit_holds(qtype, packed):
+    """Codes packed into power-of-two shards, a bf16 scale and a uint8 zero point per 64 weights:
+    uint4 is 0.5 + 3/64 = 0.547 bytes per weight."""
+    import torch
+
+    from fitfinder.meter import tensors_of
+    from fitfinder.models._weights import GroupedLinear, quantize
+
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(256, 128, bias=False, dtype=torch.bfloat16))
+    original = layer[0].weight.detach().clone()
+    assert quantize(layer, qtype + "|ostris/accuracy_recovery_adapters/x.safetensors") == 1
+    assert isinstance(layer[0], GroupedLinear)
+    weights = 256 * 128
+    assert sum(t.untyped_storage().nbytes() for t in tensors_of(layer)) == weights * packed + weights / 64 * 3
+    error = (layer[0].dequantized() - original).abs().max().item()
+    assert error <= (original.max() - original.min()).item() / (2 ** int(qtype[-1]) - 1)  # within a step
+
+
+def test_a_layer_that_is_no_whole_number_of_groups_stays_as_it_is():
+    import torch
+
+    from fitfinder.models._weights import quantize
+
+    layer = torch.nn.Sequential(torch.nn.Linear(96, 64, dtype=torch.bfloat16))
+    assert quantize(layer, "uint4") == 0 and type(layer[0]) is torch.nn.Linear
+
+
+# -- items 3, 7: which parts are quantized with what; the LoRA in fp32 ------------------------------
+def test_t5_and_umt5_take_model_qtype_clip_and_sdxl_are_never_quantized():
+    from fitfinder.models._pipeline import _quantization
+
+    settings = {"quantize": 4, "quant_type": "uint4", "quantize_te": 4, "quant_type_te": "uint4"}
+    flux, sdxl, wan = models.FAMILIES["flux"], models.FAMILIES["sdxl"], models.FAMILIES["wan21"]
+    assert [_quantization(flux, part, settings) for part in flux.parts] == ["uint4", None, "uint4", None]
+    assert [_quantization(sdxl, part, settings) for part in sdxl.parts] == [None, None, None, None]
+    assert [_quantization(wan, part, settings) for part in wan.parts] == ["uint4", "uint4", None]
+    job = tiny_job("flux", {"model.quantize": True, "model.qtype": "qint8", "model.qtype_te": "uint4"})
+    request = probe.request_for(job, 3, "sim", None)
+    assert (request["quant_type"], request["quant_type_te"], request["quantize_te"]) == ("qint8", "qint8", 8)
+
+
+def test_the_lora_trains_in_fp32_whatever_the_training_dtype(run_tiny):
+    """A bf16 job: the LoRA's weights (and so its gradients and optimizer state) are fp32."""
+    import torch
+
+    from fitfinder import meter as meters
+
+    request = probe.request_for(tiny_job("flux", {"train.dtype": "bf16"}), 1, "sim", None)
+    pipe = models.load_pipeline(request["model"], request, meters.SimMeter(None))
+    trained = pipe.trainable_parameters(["transformer"])
+    assert trained and {p.dtype for p in trained} == {torch.float32}
+    assert pipe.parts["transformer"].x_embedder.weight.dtype == torch.bfloat16
+
+
+# -- items 6, 11: where the text encoders are ------------------------------------------------------
+def test_the_caching_pass_holds_the_encoders_alone_and_unloaded_encoders_come_back_for_previews():
+    flux = models.FAMILIES["flux"]
+    encoders = {"text_encoder", "text_encoder_2"}
+    base = {"low_vram": False, "cache_latents": True, "trained": ["transformer"]}
+    cache, unload = {**base, "text_encoder": "cache"}, {**base, "text_encoder": "unload"}
+    assert probe.resident("text_encoder", cache, flux) == encoders
+    assert probe.resident("sample", cache, flux) == {"transformer", "vae"}
+    assert probe.resident("text_encoder", unload, flux) == encoders | {"transformer", "vae"}
+    assert probe.resident("train", unload, flux) == {"transformer"}
+    assert probe.resident("last_sample", unload, flux) == encoders | {"transformer", "vae"}
+
+
+def test_a_dataset_that_caches_text_embeddings_caches_them(tmp_path):
+    job = tiny_job("flux", {"datasets[0].cache_text_embeddings": True})
+    assert probe.request_for(job, 3, "sim", None)["text_encoder"] == "cache"
+
+
+def test_previews_with_unloaded_encoders_hold_them_again(run_tiny):
+    unload = run_tiny("flux", {"train.unload_text_encoder": True})
+    cache = run_tiny("flux", {"train.cache_text_embeddings": True})
+    assert unload["status"] == cache["status"] == "ok"
+    assert unload["phases"]["last_sample"] > cache["phases"]["last_sample"]
+    assert unload["phases"]["train"] == cache["phases"]["train"]
+
+
+# -- item 4: EMA -----------------------------------------------------------------------------------
+def test_ema_holds_an_fp32_copy_of_the_lora_and_clones_it_around_previews(run_tiny):
+    plain = run_tiny("flux", {"model.quantize": True})
+    ema = run_tiny("flux", {"model.quantize": True, "train.ema_config": {"use_ema": True}})
+    assert plain["status"] == ema["status"] == "ok"
+    assert ema["phases"]["load"] >= plain["phases"]["load"]  # (load peaks while quantizing, before it)
+    lora = ema["phases"]["text_encoder"] - plain["phases"]["text_encoder"]
+    assert lora > 0
+    # a preview holds the shadow and the stored weights: twice the LoRA
+    assert ema["phases"]["last_sample"] - plain["phases"]["last_sample"] == 2 * lora
+
+
+# -- item 8: the allocator -------------------------------------------------------------------------
+def test_probes_run_under_the_users_allocator_setting(monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    probe.ProbeRunner(timeout_s=5)
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+
+
+# -- item 9: the largest preview ------------------------------------------------------------------
+def test_the_largest_preview_wins_from_samples_and_prompt_flags():
+    job = tiny_job("flux", {"sample.width": 256, "sample.height": 256,
+                            "sample.prompts": ["a cat --w 384 --h 320", "a dog"],
+                            "sample.samples": [{"prompt": "wide", "width": 512, "height": 192}]})
+    assert probe._preview_size(job) == (384, 320)
+    job.set("sample.samples", [{"prompt": "big", "width": 512, "height": 512}])
+    assert probe._preview_size(job) == (512, 512)
+    assert probe.request_for(job, 3, "sim", None)["sample"]["width"] == 512
+
+
+def test_a_preview_in_the_middle_of_an_accumulation_holds_the_gradients(run_tiny):
+    """gradient_accumulation_steps counts a step per micro-batch, so a preview can find gradients;
+    gradient_accumulation accumulates inside one step, so none is alive between steps."""
+    import torch
+
+    from fitfinder import meter as meters
+
+    steps = run_tiny("flux", {"train.gradient_accumulation_steps": 2})
+    inside = run_tiny("flux", {"train.gradient_accumulation": 2})
+    assert steps["status"] == inside["status"] == "ok"
+    request = probe.request_for(tiny_job("flux"), 1, "sim", None)
+    pipe = models.load_pipeline(request["model"], request, meters.SimMeter(None))
+    lora = sum(p.numel() * 4 for p in pipe.trainable_parameters(["transformer"]))
+    assert all(p.dtype == torch.float32 for p in pipe.trainable_parameters(["transformer"]))
+    assert steps["phases"]["last_sample"] - inside["phases"]["last_sample"] == lora
