@@ -30,7 +30,8 @@ Request (built by `request_for` from a job file with AI Toolkit's defaults): mod
 models.model_spec), dtype, quantize and quantize_te (None, 8 or 4 bits) with quant_type and
 quant_type_te, low_vram, text_encoder ("keep", "cache" or "unload"), cache_latents, shapes
 ([resolution, frames] pairs the datasets train on), batch_size, accumulation,
-gradient_checkpointing, rank, alpha, optimizer, lr, trained (the denoisers that get a LoRA),
+gradient_checkpointing, rank and alpha (None for a full fine-tune, which adds only_if_contains and
+ignore_if_contains), optimizer, optimizer_params, lr, trained (the denoisers that get a LoRA or train whole),
 switch_every (two-expert models), sample ({first, last, width, height, frames, steps,
 guidance_scale}), steps, meter, budget_bytes, gpu, seed; optional: prime_optimizer (the
 optimizer's state made before the first step, see `_prime_optimizer`; the estimate runs one
@@ -91,9 +92,9 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
         "batch_size": int(job.get("train.batch_size")),
         "accumulation": job.accumulation,
         "gradient_checkpointing": bool(job.get("train.gradient_checkpointing")),
-        "rank": int(job.get("network.linear", None) or job.get("network.rank")),
-        "alpha": float(job.get("network.linear_alpha", None) or job.get("network.alpha", 1.0)),
-        "optimizer": jobconfig.OPTIMIZERS[str(job.get("train.optimizer")).lower()],
+        **_trained_weights(job),
+        "optimizer": jobconfig.optimizer_name(job.get("train.optimizer")),
+        "optimizer_params": json.loads(json.dumps(job.get("train.optimizer_params", None) or {})),
         "lr": float(job.get("train.lr")),
         "trained": _trained_denoisers(job, family),
         "switch_every": int(job.get("train.switch_boundary_every")),
@@ -104,6 +105,18 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
         "gpu": gpu,
         "seed": 0,
     }
+
+
+def _trained_weights(job) -> dict[str, Any]:
+    """A LoRA's rank and alpha; or, without `network` (a full fine-tune), rank None and the
+    parameter name filters AI Toolkit applies to the denoiser (model.only_if_contains and
+    ignore_if_contains, matched as substrings of "transformer.NAME" / "unet.NAME")."""
+    if jobconfig.is_full_fine_tune(job):
+        return {"rank": None, "alpha": None,
+                "only_if_contains": list(job.get("model.only_if_contains", None) or []),
+                "ignore_if_contains": list(job.get("model.ignore_if_contains", None) or [])}
+    return {"rank": int(job.get("network.linear", None) or job.get("network.rank")),
+            "alpha": float(job.get("network.linear_alpha", None) or job.get("network.alpha", 1.0))}
 
 
 def _text_encoder_mode(job) -> str:
@@ -374,7 +387,7 @@ def _train(pipe, request: dict, prompts: dict, result: dict):
     for name in trained:
         pipe.parts[name].train()
     with pipe.meter.concrete():  # bitsandbytes builds its code books from values
-        optimizer = _optimizer(request["optimizer"], pipe.trainable_parameters(trained), request["lr"])
+        optimizer = _optimizer(request, pipe, trained)
     steps, accumulation = request["steps"], max(1, request["accumulation"])
     if request.get("prime_optimizer"):
         # Gradients outlive a step only while the same denoiser keeps training (see the loop).
@@ -454,14 +467,14 @@ def _training_latents(pipe, request: dict, side: int, frames: int, heaviest: boo
         return recipe.encode_images(pipe.parts["vae"], recipe.pixels(side, side, frames, batch)).detach()
 
 
-def _optimizer(name: str, params: list, lr: float):
-    import torch
+def _optimizer(request: dict, pipe, trained: list[str]):
+    """The job's optimizer as AI Toolkit builds it (see optimizers.py), over the trained parameters."""
+    from fitfinder import optimizers
 
-    if name == "adamw8bit":
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit(params, lr=lr)
-    return torch.optim.AdamW(params, lr=lr)
+    zero_at_start = [param for name in trained for param_name, param in pipe.parts[name].named_parameters()
+                     if param.requires_grad and ".lora_B." in param_name]  # peft's B starts at zero
+    return optimizers.build(request["optimizer"], pipe.trainable_parameters(trained), request["lr"],
+                            request.get("optimizer_params"), zero_at_start)
 
 
 def _maybe_fault(fault: str | None) -> None:
