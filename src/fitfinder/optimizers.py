@@ -2,11 +2,11 @@
 
 AI Toolkit's `toolkit/optimizer.py` (commit 27a03a91f23eb1b757d5ec2e80ee3e129cfcc350) picks the
 library and the defaults: torch's Adam/AdamW with eps 1e-6; bitsandbytes' Adam8bit, AdamW8bit
-and Lion8bit (8-bit moments in 2048-element blocks, 32-bit ones for tensors under 4096
+and Lion8bit (8-bit moments with an fp32 scale per 256 elements, 32-bit ones for tensors under 4096
 elements); lion-pytorch's Lion; prodigyopt's Prodigy (lr 1.0 below 0.1, eps 1e-6); and its own
 Adafactor with relative_step, scale_parameter and warmup_init false unless the job sets them.
 `train.optimizer_params` goes to the constructor as AI Toolkit passes it, so the keys that change
-the state (adafactor's beta1, adamw's amsgrad, bitsandbytes' optim_bits or min_8bit_size,
+the state (adafactor's beta1, adamw's amsgrad, bitsandbytes' min_8bit_size,
 prodigy's betas and slice_p) change it here too.
 
 State per trained element, lightest first (the order of `space.OPTIMIZERS`): adafactor keeps factored fp32 second

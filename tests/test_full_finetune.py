@@ -1,0 +1,60 @@
+"""Full fine-tunes: a job without `network` trains the whole denoiser, as AI Toolkit does."""
+
+import json
+
+import pytest
+
+from fitfinder import estimate, jobconfig, probe, space as spaces
+from fitfinder.overhead import GpuOverhead
+from tests.conftest import DEMO, run_cli, tiny_job
+
+
+def full_fine_tune_demo(vram: str = "13.2MiB") -> str:
+    """configs/demo.yaml without `network`, with adafactor (AI Toolkit's full fine-tune examples)."""
+    text = DEMO.read_text()
+    start, end = text.index("      network:"), text.index("      datasets:")
+    text = text[:start] + text[end:]
+    text = text.replace('optimizer: "adamw"', 'optimizer: "adafactor"').replace("    optimizer: [adamw]\n", "")
+    text = text.replace("vram: 13.2MiB", f"vram: {vram}").replace('"demo_flux_lora"', '"demo_flux_full"')
+    return text
+
+
+def test_a_job_without_network_trains_the_whole_denoiser_in_its_dtype():
+    job = tiny_job("flux", {"train.dtype": "bf16", "model.only_if_contains": ["transformer.transformer_blocks."]})
+    del job.process["network"]
+    request = probe.request_for(job, 4, "sim", None)
+    assert (request["rank"], request["only_if_contains"]) == (None, ["transformer.transformer_blocks."])
+    space = spaces.build(job)
+    assert "rank" not in space.names and "quantize" not in space.names
+
+
+def test_a_lora_job_without_a_rank_still_says_what_is_missing():
+    text = tiny_job("flux").dumps().replace("linear: 8, linear_alpha: 8", "type: lora")
+    with pytest.raises(jobconfig.ConfigError) as refused:
+        jobconfig.loads(text.replace("{type: lora, type: lora}", "{type: lora}"), "<job>")
+    assert "network.linear: missing; set the LoRA rank, or leave `network` out for a full fine-tune" in str(refused.value)
+
+
+@pytest.mark.slow
+def test_the_estimate_equals_the_sim_meter_on_the_full_fine_tune_demo():
+    job = jobconfig.loads(full_fine_tune_demo(), "<full fine-tune demo>")
+    request = probe.request_for(job, 4, "sim", None)
+    runner = probe.ProbeRunner(timeout_s=300)
+    sim, fake = runner.run(request), runner.run(estimate.as_estimate(request, GpuOverhead.none()))
+    assert sim["status"] == fake["status"] == "ok", (sim.get("error"), fake.get("error"))
+    assert {phase: stats["peak_allocated"] for phase, stats in sim["phase_stats"].items()} == \
+        {phase: stats["peak_live"] for phase, stats in fake["phase_stats"].items()}
+
+
+@pytest.mark.slow
+def test_the_full_fine_tune_demo_search_proves_a_winner(tmp_path):
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "full.yaml").write_text(full_fine_tune_demo())
+    done = run_cli("search", "configs/full.yaml", "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["status"] == "fit" and summary["proven"], summary
+    assert set(summary["best"]) == {"buckets", "gradient_checkpointing", "batch"}  # no rank knob
+    best = jobconfig.load(tmp_path / "results" / "demo_flux_full" / "best.yaml")
+    assert not best.has("network") and best.get("train.optimizer") == "adafactor"
+    assert summary["peak_bytes"] <= 13.2 * 2**20 * 0.95
