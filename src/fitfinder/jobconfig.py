@@ -36,6 +36,7 @@ AITK_DEFAULTS: dict[str, Any] = {
     "train.cache_text_embeddings": False,
     "train.unload_text_encoder": False,
     "train.switch_boundary_every": 1,
+    "train.ema_config.use_ema": False,
     "model.quantize": False,
     "model.qtype": "qfloat8",
     "model.qtype_te": "qfloat8",
@@ -416,7 +417,8 @@ _STRINGS = ("model.name_or_path", "network.type", "training_folder")
 _OPTIONAL_TEXTS = ("sample.neg", "trigger_word")  # `neg:` left empty reads as null: no text
 _SWITCHES = ("train.gradient_checkpointing", "train.skip_first_sample", "train.disable_sampling",
              "train.cache_text_embeddings", "train.unload_text_encoder", "model.quantize", "model.quantize_te",
-             "model.low_vram", "model.is_flux", "model.is_xl", "model.layer_offloading", "sample.walk_seed")
+             "model.low_vram", "model.is_flux", "model.is_xl", "model.layer_offloading", "sample.walk_seed",
+             "train.ema_config.use_ema")
 
 
 def _value_problems(job: JobFile) -> list[str]:

@@ -17,6 +17,7 @@ moments (a row and a column per matrix, a full copy only for vectors); lion8bit 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -214,3 +215,46 @@ class _FakeScalars(TorchDispatchMode):
         if func is torch.ops.aten.any.default and id(args[0]) in self.zero_ids:
             self.false_answers = [result]
         return result
+
+
+class Ema:
+    """The memory of AI Toolkit's `toolkit/ema.py` (train.ema_config.use_ema).
+
+    A shadow copy of every trained parameter in its own dtype, made with the optimizer. After
+    each optimizer step the shadow moves towards the weights one parameter at a time in fp32 (a
+    bf16 shadow: fp32 copies of it and of the weight, their difference, rounded back). A preview
+    stores the weights (another copy) and renders with the shadow; AI Toolkit restores the
+    weights afterwards but keeps the stored copy until the next preview replaces it, and builds
+    the new copy before the old one goes.
+    """
+
+    def __init__(self, params: list, decay: float):
+        self.params = list(params)
+        self.decay = decay
+        with torch.no_grad():
+            self.shadow = [param.detach().clone() for param in self.params]
+        self.stored: list[torch.Tensor] | None = None
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for shadow, param in zip(self.shadow, self.params):
+            shadow_fp32 = shadow.float()  # the shadow itself when it is fp32
+            weight_fp32 = param if param.dtype == torch.float32 else param.to(torch.float32)
+            difference = shadow_fp32 - weight_fp32
+            difference.mul_(1.0 - self.decay)
+            shadow_fp32.sub_(difference)
+            del difference, weight_fp32
+            if shadow.dtype != torch.float32:
+                _write_rounded(shadow, shadow_fp32, True)
+
+    @contextlib.contextmanager
+    def swapped_in(self):
+        """The shadow in the weights for a preview; the stored copy outlives it (AI Toolkit's)."""
+        with torch.no_grad():
+            self.stored = [param.clone() for param in self.params]
+            for shadow, param in zip(self.shadow, self.params):
+                param.data.copy_(shadow.data)
+        yield
+        with torch.no_grad():
+            for stored, param in zip(self.stored, self.params):
+                param.data.copy_(stored.data)

@@ -31,7 +31,7 @@ models.model_spec), dtype, quantize and quantize_te (None, 8 or 4 bits) with qua
 quant_type_te, low_vram, text_encoder ("keep", "cache" or "unload"), cache_latents, shapes
 ([resolution, frames] pairs the datasets train on), batch_size, accumulation,
 gradient_checkpointing, rank and alpha (None for a full fine-tune, which adds only_if_contains and
-ignore_if_contains), optimizer, optimizer_params, lr, trained (the denoisers that get a LoRA or train whole),
+ignore_if_contains), optimizer, optimizer_params, ema_decay (None without EMA), lr, trained (the denoisers that get a LoRA or train whole),
 switch_every (two-expert models), sample ({first, last, width, height, frames, steps,
 guidance_scale}), steps, meter, budget_bytes, gpu, seed; optional: prime_optimizer (the
 optimizer's state made before the first step, see `_prime_optimizer`; the estimate runs one
@@ -95,6 +95,7 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
         **_trained_weights(job),
         "optimizer": jobconfig.optimizer_name(job.get("train.optimizer")),
         "optimizer_params": json.loads(json.dumps(job.get("train.optimizer_params", None) or {})),
+        "ema_decay": float(job.get("train.ema_config.ema_decay", None) or 0.999) if job.get("train.ema_config.use_ema") else None,
         "lr": float(job.get("train.lr")),
         "trained": _trained_denoisers(job, family),
         "switch_every": int(job.get("train.switch_boundary_every")),
@@ -240,19 +241,24 @@ def _recipe(request: dict, meter, result: dict) -> None:
     prompts["train"] = {key: meter.to_host(value) for key, value in prompts["train"].items()}
     with _phase("latents", pipe, request):
         _encode_latents(pipe, request)
+    ema = None  # AI Toolkit makes its EMA with the optimizer, before the first preview
     if sample["first"]:
         with _phase("sample", pipe, request):
-            _sample(pipe, request, prompts)
+            ema = _ema(pipe, request)
+            with _ema_weights(ema):
+                _sample(pipe, request, prompts)
     with _phase("train", pipe, request):
+        ema = ema or _ema(pipe, request)
         prompts["train"] = {key: meter.to_device(value) for key, value in prompts["train"].items()}
-        optimizer = _train(pipe, request, prompts, result)
+        optimizer = _train(pipe, request, prompts, result, ema)
     del prompts["train"]  # and end with the training steps
     if sample["last"]:
         # A preview during training: the optimizer's state is still held, as in a run that
         # samples every N steps.
         with _phase("last_sample", pipe, request):
-            _sample(pipe, request, prompts)
-    del optimizer
+            with _ema_weights(ema):
+                _sample(pipe, request, prompts)
+    del optimizer, ema
 
 
 @contextlib.contextmanager
@@ -376,7 +382,7 @@ def _expert(pipe, level: float) -> str:
     return denoisers[0] if level >= pipe.arch.get("boundary_ratio", 0.875) else denoisers[1]
 
 
-def _train(pipe, request: dict, prompts: dict, result: dict):
+def _train(pipe, request: dict, prompts: dict, result: dict, ema=None):
     """LoRA steps over the shape schedule; the optimizer steps every `accumulation` micro-steps.
     Returns the optimizer, whose state outlives the phase (previews happen during training)."""
     import torch
@@ -419,6 +425,8 @@ def _train(pipe, request: dict, prompts: dict, result: dict):
         if (step + 1) % accumulation == 0 or step in (middle - 1, steps - 1) or expert_at(step + 1) != expert:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if ema is not None:
+                ema.update()
             pipe.meter.register(optimizer)
         timings.append(time.perf_counter() - start)
         result["steps_run"] = step + 1
@@ -475,6 +483,20 @@ def _optimizer(request: dict, pipe, trained: list[str]):
                      if param.requires_grad and ".lora_B." in param_name]  # peft's B starts at zero
     return optimizers.build(request["optimizer"], pipe.trainable_parameters(trained), request["lr"],
                             request.get("optimizer_params"), zero_at_start)
+
+
+def _ema(pipe, request: dict):
+    """train.ema_config.use_ema: a shadow of every trained parameter (see optimizers.Ema), or None."""
+    if request.get("ema_decay") is None:
+        return None
+    from fitfinder import optimizers
+
+    return optimizers.Ema(pipe.trainable_parameters(request["trained"]), request["ema_decay"])
+
+
+def _ema_weights(ema):
+    """A preview renders with the EMA weights, as AI Toolkit's sample() does."""
+    return contextlib.nullcontext() if ema is None else ema.swapped_in()
 
 
 def _maybe_fault(fault: str | None) -> None:
