@@ -28,6 +28,21 @@ def test_a_job_without_network_trains_the_whole_denoiser_in_its_dtype():
     assert "rank" not in space.names and "quantize" not in space.names
 
 
+def test_ema_is_a_quality_knob_only_where_the_job_asks_for_it():
+    job = tiny_job("flux", {"train.ema_config": {"use_ema": True, "ema_decay": 0.99}})
+    del job.process["network"]
+    space = spaces.build(job)
+    knob = space.by_name["ema"]
+    assert (knob.candidates, knob.desired, knob.role) == ((False, True), True, "quality")
+    # after the optimizer's precision, before the previews; no rank, no quantize for a full fine-tune
+    assert space.names == ("optimizer", "ema", "sampling", "sample_size", "text_encoder",
+                           "gradient_checkpointing", "low_vram")
+    off = space.apply(job, {**space.desired(), "ema": False})
+    assert off.get("train.ema_config.use_ema") is False and off.get("train.ema_config.ema_decay") == 0.99
+    assert probe.request_for(off, 4, "sim", None)["ema_decay"] is None
+    assert "ema" not in spaces.build(tiny_job("flux")).names
+
+
 def test_a_lora_job_without_a_rank_still_says_what_is_missing():
     text = tiny_job("flux").dumps().replace("linear: 8, linear_alpha: 8", "type: lora")
     with pytest.raises(jobconfig.ConfigError) as refused:

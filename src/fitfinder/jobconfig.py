@@ -60,7 +60,7 @@ AITK_DEFAULTS: dict[str, Any] = {
 # The knobs the search may turn, by name; `fitfinder: candidates:` overrides their values.
 KNOB_NAMES = (
     "buckets", "frames", "rank", "batch", "gradient_checkpointing", "quantize", "low_vram",
-    "text_encoder", "optimizer", "sample_size", "sample_frames", "sampling",
+    "text_encoder", "optimizer", "ema", "sample_size", "sample_frames", "sampling",
 )
 
 # AI Toolkit's quantization types (optimum-quanto and torchao names) -> bits in the probe, which

@@ -37,7 +37,7 @@ _ALL = frozenset(PHASES)
 _DATA = frozenset({"latents", "train"})
 _PREVIEW = frozenset({"sample", "last_sample"})
 # Default priority of the quality knobs: training fidelity > preview fidelity > flexibility.
-QUALITY_ORDER = ("buckets", "frames", "rank", "quantize", "optimizer",
+QUALITY_ORDER = ("buckets", "frames", "rank", "quantize", "optimizer", "ema",
                  "sampling", "sample_size", "sample_frames", "text_encoder")
 # The speed knobs' order. The search climbs the batch first, one step at a time, then turns the
 # switches off in this order (checkpointing, then offload), each alone before two together.
@@ -374,6 +374,24 @@ def _apply_optimizer(job: JobFile, name: str, space: Space) -> None:
     job.set("train.optimizer", name)
 
 
+# -- EMA: train.ema_config.use_ema ------------------------------------------------------------------
+def _ema(job: JobFile, override: list | None, video: bool) -> Knob | None:
+    desired = bool(job.get("train.ema_config.use_ema"))
+    if not desired:
+        return None  # never past the desired point: no EMA asked, none added
+    values = [False, True] if override is None else _with_desired(
+        override, desired, lambda v: isinstance(v, bool), "true or false")
+    # A shadow of the trained weights from before the first preview on, and a stored copy of
+    # them from the first preview on (AI Toolkit's toolkit/ema.py): from a full fine-tune, two
+    # more copies of the model.
+    return Knob("ema", "quality", tuple(v for v in (False, True) if v in values), desired,
+                ("train.ema_config.use_ema",), frozenset({"sample", "train", "last_sample"}))
+
+
+def _apply_ema(job: JobFile, on: bool, space: Space) -> None:
+    job.set("train.ema_config.use_ema", bool(on))
+
+
 # -- preview sampling: on/off, size, frames --------------------------------------------------------
 def _sampling(job: JobFile, override: list | None, video: bool) -> Knob | None:
     desired = not job.get("train.disable_sampling")
@@ -501,14 +519,14 @@ _checkpointing, _apply_checkpointing = _switch("gradient_checkpointing", "train.
 _low_vram, _apply_low_vram = _switch("low_vram", "model.low_vram", _ALL, light=True)
 
 _BUILDERS: dict[str, Callable[[JobFile, list | None, bool], Knob | None]] = {
-    "buckets": _buckets, "frames": _frames, "rank": _rank, "quantize": _quantize, "optimizer": _optimizer,
+    "buckets": _buckets, "frames": _frames, "rank": _rank, "quantize": _quantize, "optimizer": _optimizer, "ema": _ema,
     "sampling": _sampling, "sample_size": _sample_size, "sample_frames": _sample_frames,
     "text_encoder": _text_encoder, "batch": _batch, "gradient_checkpointing": _checkpointing,
     "low_vram": _low_vram,
 }
 _APPLY: dict[str, Callable[[JobFile, Any, Space], None]] = {
     "buckets": _apply_buckets, "frames": _apply_frames, "rank": _apply_rank, "quantize": _apply_quantize,
-    "optimizer": _apply_optimizer, "sampling": _apply_sampling, "sample_size": _apply_sample_size,
+    "optimizer": _apply_optimizer, "ema": _apply_ema, "sampling": _apply_sampling, "sample_size": _apply_sample_size,
     "sample_frames": _apply_sample_frames, "text_encoder": _apply_text_encoder, "batch": _apply_batch,
     "gradient_checkpointing": _apply_checkpointing, "low_vram": _apply_low_vram,
 }
@@ -516,6 +534,7 @@ _LABELS: dict[str, Callable[[Any], str]] = {
     "buckets": lambda v: f"[{v}]",
     "gradient_checkpointing": lambda v: "on" if v else "off",
     "low_vram": lambda v: "on" if v else "off",
+    "ema": lambda v: "on" if v else "off",
     "sampling": lambda v: "on" if v else "off",
 }
 _SHORT = {"gradient_checkpointing": "gc", "sample_size": "sample", "text_encoder": "te"}
