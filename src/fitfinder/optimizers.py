@@ -160,9 +160,19 @@ def _accumulate_gradient(param: torch.Tensor) -> None:
 
 
 def _write_rounded(target: torch.Tensor, source: torch.Tensor, stochastic: bool) -> None:
-    """fp32 `source` into a bf16 `target` with random rounding (the usual 16-bit-noise trick), else a plain copy."""
-    if not stochastic or target.dtype != torch.bfloat16:
+    """fp32 `source` into a bf16 or fp16 `target` with random rounding, else a plain copy.
+
+    bf16: random low 16 bits added to fp32's bit pattern, then cut (one int32 temporary); fp16:
+    uniform noise at fp16's last mantissa bit, rounded (fp32 temporaries), as AI Toolkit does."""
+    if not stochastic or target.dtype not in (torch.bfloat16, torch.float16):
         target.copy_(source)
+        return
+    if target.dtype == torch.float16:
+        factor = 2.0 ** (23 - 10)  # fp32 keeps 13 more mantissa bits than fp16
+        noise = torch.rand_like(source) - 0.5
+        rounded = torch.round(source * factor + noise)
+        target.copy_(rounded / factor)
+        del noise, rounded
         return
     noisy = torch.randint_like(source, dtype=torch.int32, low=0, high=1 << 16)
     noisy.add_(source.view(dtype=torch.int32)).bitwise_and_(-65536)
