@@ -75,6 +75,7 @@ def test_the_full_fine_tune_demo_search_proves_a_winner(tmp_path):
     assert summary["peak_bytes"] <= 13.2 * 2**20 * 0.95
 
 
+@pytest.mark.slow
 def test_ema_holds_a_shadow_and_a_stored_copy_and_the_estimate_follows():
     """AI Toolkit's EMA (the Flex full fine-tune example's use_ema): a shadow of the trained
     weights from before the first preview, the weights stored for each preview and kept after it,
