@@ -21,8 +21,9 @@ The recipe, phase by phase, each metered on its own (AI Toolkit's order and devi
     sample        the first preview unless skip_first_sample/disable_sampling: SAMPLE_STEPS denoising
                   steps at sample.width x height (x num_frames) with the guidance as configured, then
                   the VAE decode
-    train         `steps` LoRA steps over a bucket schedule with the heaviest bucket and clip at the
-                  first, middle and last step (optimizer state and fragmentation present by then)
+    train         `steps` training steps (a LoRA, or the whole denoiser without `network`) over a
+                  bucket schedule with the heaviest bucket and clip at the first, middle and last
+                  step (optimizer state, EMA and fragmentation present by then)
     last_sample   the preview at the end of training, unless disable_sampling, with the optimizer's
                   state still held
 
@@ -30,8 +31,9 @@ Request (built by `request_for` from a job file with AI Toolkit's defaults): mod
 models.model_spec), dtype, quantize and quantize_te (None, 8 or 4 bits) with quant_type and
 quant_type_te, low_vram, text_encoder ("keep", "cache" or "unload"), cache_latents, shapes
 ([resolution, frames] pairs the datasets train on), batch_size, accumulation,
-gradient_checkpointing, rank and alpha (None for a full fine-tune, which adds only_if_contains and
-ignore_if_contains), optimizer, optimizer_params, ema_decay (None without EMA), lr, trained (the denoisers that get a LoRA or train whole),
+gradient_checkpointing, rank and alpha (None for a full fine-tune, which adds only_if_contains
+and ignore_if_contains), optimizer, optimizer_params, ema_decay (None without EMA), lr, trained
+(the denoisers that get a LoRA, or train whole),
 switch_every (two-expert models), sample ({first, last, width, height, frames, steps,
 guidance_scale}), steps, meter, budget_bytes, gpu, seed; optional: prime_optimizer (the
 optimizer's state made before the first step, see `_prime_optimizer`; the estimate runs one
@@ -95,7 +97,7 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
         **_trained_weights(job),
         "optimizer": jobconfig.optimizer_name(job.get("train.optimizer")),
         "optimizer_params": json.loads(json.dumps(job.get("train.optimizer_params", None) or {})),
-        "ema_decay": float(job.get("train.ema_config.ema_decay", None) or 0.999) if job.get("train.ema_config.use_ema") else None,
+        "ema_decay": _ema_decay(job),
         "lr": float(job.get("train.lr")),
         "trained": _trained_denoisers(job, family),
         "switch_every": int(job.get("train.switch_boundary_every")),
@@ -118,6 +120,13 @@ def _trained_weights(job) -> dict[str, Any]:
                 "ignore_if_contains": list(job.get("model.ignore_if_contains", None) or [])}
     return {"rank": int(job.get("network.linear", None) or job.get("network.rank")),
             "alpha": float(job.get("network.linear_alpha", None) or job.get("network.alpha", 1.0))}
+
+
+def _ema_decay(job) -> float | None:
+    """train.ema_config: None without EMA; AI Toolkit's decay defaults to 0.999."""
+    if not job.get("train.ema_config.use_ema"):
+        return None
+    return float(job.get("train.ema_config.ema_decay", None) or 0.999)
 
 
 def _text_encoder_mode(job) -> str:
@@ -383,7 +392,8 @@ def _expert(pipe, level: float) -> str:
 
 
 def _train(pipe, request: dict, prompts: dict, result: dict, ema=None):
-    """LoRA steps over the shape schedule; the optimizer steps every `accumulation` micro-steps.
+    """Training steps (LoRA or full) over the shape schedule; the optimizer steps every
+    `accumulation` micro-steps, the EMA follows each optimizer step.
     Returns the optimizer, whose state outlives the phase (previews happen during training)."""
     import torch
     import torch.nn.functional as F
