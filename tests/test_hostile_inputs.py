@@ -157,7 +157,7 @@ key("lr_1e400", edit("lr: 1e-4", "lr: 1e400"), "train.lr", "a number above 0")
 key("lr_negative", edit("lr: 1e-4", "lr: -1e-4"), "train.lr", "a number above 0")
 key("steps_zero", edit("steps: 2000", "steps: 0"), "train.steps", "a positive integer")
 key("dtype_fp64", edit("dtype: fp32", "dtype: fp64"), "train.dtype", "one of bf16, fp16, fp32")
-key("optimizer_sgd", edit('optimizer: "adamw"', "optimizer: sgd"), "train.optimizer", "one of adamw")
+key("optimizer_sgd", edit('optimizer: "adamw"', "optimizer: sgd"), "train.optimizer", "one of adafactor, adam, adamw")
 key("quantize_text", edit("is_flux: true", 'is_flux: true\n        quantize: "true"'), "model.quantize",
     "true or false")
 key("qtype_int3", edit("is_flux: true", "is_flux: true\n        qtype: int3"), "model.qtype", "one of qfloat8")

@@ -22,11 +22,17 @@ JOBS = {
              "sample.height": 256},
     "wan21": {"datasets[0].resolution": [48, 64], "datasets[0].num_frames": 9, "train.batch_size": 2,
               "train.gradient_checkpointing": False, "sample.num_frames": 9},
+    # a full fine-tune with EMA (the ema knob), as AI Toolkit's Flex example
+    "flux_full": {"datasets[0].resolution": [128, 256], "train.batch_size": 2, "train.gradient_checkpointing": False,
+                  "train.optimizer": "adafactor", "train.dtype": "bf16", "train.ema_config": {"use_ema": True},
+                  "sample.width": 256, "sample.height": 256},
 }
 
 
 def _space(family):
-    job = tiny_job(family, JOBS[family])
+    job = tiny_job(family.removesuffix("_full"), JOBS[family])
+    if family.endswith("_full"):
+        del job.process["network"]
     job.settings.candidates = {"quantize": ["none"], "optimizer": ["adamw"]}
     return job, spaces.build(job)
 

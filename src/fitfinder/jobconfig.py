@@ -36,6 +36,7 @@ AITK_DEFAULTS: dict[str, Any] = {
     "train.cache_text_embeddings": False,
     "train.unload_text_encoder": False,
     "train.switch_boundary_every": 1,
+    "train.ema_config.use_ema": False,
     "model.quantize": False,
     "model.qtype": "qfloat8",
     "model.qtype_te": "qfloat8",
@@ -59,7 +60,7 @@ AITK_DEFAULTS: dict[str, Any] = {
 # The knobs the search may turn, by name; `fitfinder: candidates:` overrides their values.
 KNOB_NAMES = (
     "buckets", "frames", "rank", "batch", "gradient_checkpointing", "quantize", "low_vram",
-    "text_encoder", "optimizer", "sample_size", "sample_frames", "sampling",
+    "text_encoder", "optimizer", "ema", "sample_size", "sample_frames", "sampling",
 )
 
 # AI Toolkit's quantization types (optimum-quanto, torchao and its own uint names) -> bits; the
@@ -68,9 +69,22 @@ KNOB_NAMES = (
 QTYPE_BITS = {"qfloat8": 8, "float8": 8, "qfloat8_e4m3fn": 8, "float8_e4m3fn": 8, "fp8": 8, "qint8": 8, "int8": 8,
               "qint4": 4, "uint4": 4, "int4": 4, "nf4": 4, "fp4": 4,
               "uint2": 2, "uint3": 3, "uint5": 5, "uint6": 6, "uint7": 7}
-# Optimizers the probe runs, by AI Toolkit's names -> the implementation (Adam and AdamW hold the
-# same state).
-OPTIMIZERS = {"adamw": "adamw", "adam": "adamw", "adamw8bit": "adamw8bit", "adam8bit": "adamw8bit"}
+# Optimizers the probe builds, by the names AI Toolkit's toolkit/optimizer.py accepts (any case);
+# every name starting with "prodigy" but prodigy8bit is prodigyopt's Prodigy there.
+OPTIMIZERS = ("adafactor", "adam", "adamw", "adam8bit", "adamw8bit", "lion", "lion8bit", "prodigy")
+
+
+def optimizer_name(value: Any) -> str | None:
+    """The optimizer AI Toolkit builds for `train.optimizer`, or None when fitfinder does not probe it."""
+    name = str(value).strip().lower()
+    if name.startswith("prodigy") and not name.startswith("prodigy8bit"):
+        return "prodigy"
+    return name if name in OPTIMIZERS else None
+
+
+def is_full_fine_tune(job: "JobFile") -> bool:
+    """No `network` section: AI Toolkit trains the denoiser's own weights."""
+    return not job.has("network")
 
 DTYPES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16",
           "fp16": "fp16", "float16": "fp16", "half": "fp16"}
@@ -404,7 +418,8 @@ _STRINGS = ("model.name_or_path", "network.type", "training_folder")
 _OPTIONAL_TEXTS = ("sample.neg", "trigger_word")  # `neg:` left empty reads as null: no text
 _SWITCHES = ("train.gradient_checkpointing", "train.skip_first_sample", "train.disable_sampling",
              "train.cache_text_embeddings", "train.unload_text_encoder", "model.quantize", "model.quantize_te",
-             "model.low_vram", "model.is_flux", "model.is_xl", "model.layer_offloading", "sample.walk_seed")
+             "model.low_vram", "model.is_flux", "model.is_xl", "model.layer_offloading", "sample.walk_seed",
+             "train.ema_config.use_ema")
 
 
 def _value_problems(job: JobFile) -> list[str]:
@@ -424,8 +439,8 @@ def _value_problems(job: JobFile) -> list[str]:
     if problems:
         return problems
 
-    if not job.has("network.linear") and not job.has("network.rank"):
-        problems.append(f"{p}network.linear: missing; fitfinder tunes LoRA jobs (set the LoRA rank)")
+    if job.has("network") and not job.has("network.linear") and not job.has("network.rank"):
+        problems.append(f"{p}network.linear: missing; set the LoRA rank, or leave `network` out for a full fine-tune")
     for path, (low, high) in _INTEGERS.items():
         check(path, lambda v, low=low, high=high: int_in(v, low, high), _integers(low, high))
     for path, (low, high, open_low) in _NUMBERS.items():
@@ -447,8 +462,13 @@ def _value_problems(job: JobFile) -> list[str]:
         problems.append(f"{p}train.gradient_accumulation: AI Toolkit refuses it together with "
                         "gradient_accumulation_steps; keep one of them")
     check("train.dtype", lambda v: str(v).lower() in DTYPES, "one of bf16, fp16, fp32")
-    check("train.optimizer", lambda v: str(v).lower() in OPTIMIZERS,
+    check("train.optimizer", lambda v: optimizer_name(v) is not None,
           f"one of {', '.join(OPTIMIZERS)} (the optimizers fitfinder probes)")
+    check("train.optimizer_params", lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v),
+          "a mapping of the optimizer's arguments")
+    for key in ("model.only_if_contains", "model.ignore_if_contains"):
+        check(key, lambda v: isinstance(v, list) and all(isinstance(t, str) and t for t in v),
+              "a list of parameter name parts")
     for key in ("model.qtype", "model.qtype_te"):
         check(key, _qtype_ok, f"one of {', '.join(QTYPE_BITS)} (optionally followed by |adapter)")
     from fitfinder.models import arch_problem  # no torch there

@@ -162,6 +162,10 @@ def _training_args(job: JobFile, trainer: Trainer, extra: dict, rows: list[Mappi
     def row(setting, value, kohya, kind="exact", note=""):
         rows.append(Mapping(setting, value, kohya, kind, note))
 
+    if jobconfig.is_full_fine_tune(job):
+        from fitfinder.errors import UserError
+
+        raise UserError(f"{job.source}: a full fine-tune (no `network`): the kohya export writes LoRA jobs only")
     network_type = str(job.get("network.type", "lora")).lower()
     rank = int(job.get("network.linear", None) or job.get("network.rank"))
     alpha = job.get("network.linear_alpha", None) or job.get("network.alpha", None) or rank

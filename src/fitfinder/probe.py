@@ -22,8 +22,9 @@ The recipe, phase by phase, each metered on its own (AI Toolkit's order and devi
     sample        the first preview unless skip_first_sample/disable_sampling: SAMPLE_STEPS denoising
                   steps at sample.width x height (x num_frames) with the guidance as configured, then
                   the VAE decode
-    train         `steps` LoRA steps over a bucket schedule with the heaviest bucket and clip at the
-                  first, middle and last step (optimizer state and fragmentation present by then)
+    train         `steps` training steps (a LoRA, or the whole denoiser without `network`) over a
+                  bucket schedule with the heaviest bucket and clip at the first, middle and last
+                  step (optimizer state, EMA and fragmentation present by then)
     last_sample   the preview at the end of training, unless disable_sampling, with the optimizer's
                   state still held
 
@@ -32,7 +33,9 @@ models.model_spec), dtype, quantize and quantize_te (None or the bits) with quan
 quant_type_te (AI Toolkit's qtype names, see models._weights.quantize), low_vram, text_encoder
 ("keep", "cache" or "unload"), cache_latents, shapes
 ([resolution, frames] pairs the datasets train on), batch_size, accumulation,
-gradient_checkpointing, rank, alpha, optimizer, lr, trained (the denoisers that get a LoRA),
+gradient_checkpointing, rank and alpha (None for a full fine-tune, which adds only_if_contains
+and ignore_if_contains), optimizer, optimizer_params, ema_decay (None without EMA), lr, trained
+(the denoisers that get a LoRA, or train whole),
 switch_every (two-expert models), sample ({first, last, width, height, frames, steps,
 guidance_scale}), steps, meter, budget_bytes, gpu, seed; optional: prime_optimizer (the
 optimizer's state made before the first step, see `_prime_optimizer`; the estimate runs one
@@ -96,14 +99,14 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
         "batch_size": int(job.get("train.batch_size")),
         "accumulation": job.accumulation,
         "gradient_checkpointing": bool(job.get("train.gradient_checkpointing")),
-        "rank": int(job.get("network.linear", None) or job.get("network.rank")),
-        "alpha": float(job.get("network.linear_alpha", None) or job.get("network.alpha", 1.0)),
-        "optimizer": jobconfig.OPTIMIZERS[str(job.get("train.optimizer")).lower()],
+        **_trained_weights(job),
+        "optimizer": jobconfig.optimizer_name(job.get("train.optimizer")),
+        "optimizer_params": json.loads(json.dumps(job.get("train.optimizer_params", None) or {})),
+        "ema_decay": _ema_decay(job),
         "lr": float(job.get("train.lr")),
         "trained": _trained_denoisers(job, family),
         "switch_every": int(job.get("train.switch_boundary_every")),
         "sample": _sample_settings(job, family.video),
-        "ema": bool(job.get("train.ema_config.use_ema", False)),
         # AI Toolkit counts a step per micro-batch with gradient_accumulation_steps and samples on
         # that count (BaseSDTrainProcess.run), so a preview can land while gradients accumulate.
         "preview_holds_gradients": int(job.get("train.gradient_accumulation_steps")) > 1,
@@ -113,6 +116,25 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
         "gpu": gpu,
         "seed": 0,
     }
+
+
+def _trained_weights(job) -> dict[str, Any]:
+    """A LoRA's rank and alpha; or, without `network` (a full fine-tune), rank None and the
+    parameter name filters AI Toolkit applies to the denoiser (model.only_if_contains and
+    ignore_if_contains, matched as substrings of "transformer.NAME" / "unet.NAME")."""
+    if jobconfig.is_full_fine_tune(job):
+        return {"rank": None, "alpha": None,
+                "only_if_contains": list(job.get("model.only_if_contains", None) or []),
+                "ignore_if_contains": list(job.get("model.ignore_if_contains", None) or [])}
+    return {"rank": int(job.get("network.linear", None) or job.get("network.rank")),
+            "alpha": float(job.get("network.linear_alpha", None) or job.get("network.alpha", 1.0))}
+
+
+def _ema_decay(job) -> float | None:
+    """train.ema_config: None without EMA; AI Toolkit's decay defaults to 0.999."""
+    if not job.get("train.ema_config.use_ema"):
+        return None
+    return float(job.get("train.ema_config.ema_decay", None) or 0.999)
 
 
 def _text_encoder_mode(job) -> str:
@@ -247,7 +269,7 @@ def _recipe(request: dict, meter, result: dict) -> None:
     sample = request["sample"]
     with meter.phase("load"):
         pipe = models.load_pipeline(request["model"], request, meter)
-        ema = _ema_shadow(pipe, request)
+        ema = _ema(pipe, request)  # AI Toolkit's setup_ema follows the optimizer, before any caching
     meter.replay_repeated_blocks(*pipe.parts.values())
     with _phase("text_encoder", pipe, request):
         prompts = _encode_text(pipe, request)
@@ -258,7 +280,8 @@ def _recipe(request: dict, meter, result: dict) -> None:
         _encode_latents(pipe, request)
     if sample["first"]:
         with _phase("sample", pipe, request):
-            _sample(pipe, request, prompts, ema)
+            with _ema_weights(ema):
+                _sample(pipe, request, prompts)
     with _phase("train", pipe, request):
         prompts["train"] = {key: meter.to_device(value) for key, value in prompts["train"].items()}
         optimizer = _train(pipe, request, prompts, result, ema)
@@ -267,7 +290,8 @@ def _recipe(request: dict, meter, result: dict) -> None:
         # A preview during training: the optimizer's state is still held, as in a run that
         # samples every N steps.
         with _phase("last_sample", pipe, request), _gradients_held(pipe, request):
-            _sample(pipe, request, prompts, ema)
+            with _ema_weights(ema):
+                _sample(pipe, request, prompts)
     del optimizer, ema
 
 
@@ -367,55 +391,6 @@ def _encode_latents(pipe, request: dict) -> None:
     del latents
 
 
-def _ema_shadow(pipe, request: dict) -> list | None:
-    """AI Toolkit's EMA (train.ema_config.use_ema): a copy of the trained LoRA weights (fp32) on
-    the device, made before the first preview (BaseSDTrainProcess.setup_ema, toolkit/ema.py)."""
-    if not request.get("ema"):
-        return None
-    import torch
-
-    with torch.no_grad():
-        return [param.detach().to(pipe.meter.device, copy=True)
-                for param in pipe.trainable_parameters(request["trained"])]
-
-
-def _ema_update(pipe, request: dict, ema: list | None) -> None:
-    """toolkit/ema.py update() after each optimizer step: one weight-sized difference at a time."""
-    if ema is None:
-        return
-    import torch
-
-    with torch.no_grad():
-        for shadow, param in zip(ema, pipe.trainable_parameters(request["trained"])):
-            difference = shadow - param
-            difference.mul_(0.01)
-            shadow.sub_(difference)
-            del difference
-
-
-@contextlib.contextmanager
-def _ema_weights(pipe, request: dict, ema: list | None):
-    """A preview with the EMA's weights: AI Toolkit's sample() calls ema.eval(), which clones the
-    trained weights (store) and copies the shadow in, and ema.train() after, which restores them."""
-    if ema is None:
-        yield
-        return
-    import torch
-
-    params = pipe.trainable_parameters(request["trained"])
-    with torch.no_grad():
-        stored = [param.detach().clone() for param in params]
-        for param, shadow in zip(params, ema):
-            param.data.copy_(shadow)
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for param, kept in zip(params, stored):
-                param.data.copy_(kept)
-        del stored
-
-
 @contextlib.contextmanager
 def _gradients_held(pipe, request: dict):
     """The LoRA's gradients alive through a preview that lands in the middle of an accumulation."""
@@ -434,10 +409,9 @@ def _gradients_held(pipe, request: dict):
             param.grad = None
 
 
-def _sample(pipe, request: dict, prompts: dict, ema: list | None = None) -> None:
+def _sample(pipe, request: dict, prompts: dict) -> None:
     """A preview as AI Toolkit renders one: denoising steps with guidance, then the VAE decode."""
-    with _ema_weights(pipe, request, ema):
-        _denoise_and_decode(pipe, request, prompts)
+    _denoise_and_decode(pipe, request, prompts)
 
 
 def _denoise_and_decode(pipe, request: dict, prompts: dict) -> None:
@@ -470,8 +444,9 @@ def _expert(pipe, level: float) -> str:
     return denoisers[0] if level >= pipe.arch.get("boundary_ratio", 0.875) else denoisers[1]
 
 
-def _train(pipe, request: dict, prompts: dict, result: dict, ema: list | None = None):
-    """LoRA steps over the shape schedule; the optimizer steps every `accumulation` micro-steps.
+def _train(pipe, request: dict, prompts: dict, result: dict, ema=None):
+    """Training steps (LoRA or full) over the shape schedule; the optimizer steps every
+    `accumulation` micro-steps, the EMA follows each optimizer step.
     Returns the optimizer, whose state outlives the phase (previews happen during training)."""
     import torch
     import torch.nn.functional as F
@@ -481,7 +456,7 @@ def _train(pipe, request: dict, prompts: dict, result: dict, ema: list | None = 
     for name in trained:
         pipe.parts[name].train()
     with pipe.meter.concrete():  # bitsandbytes builds its code books from values
-        optimizer = _optimizer(request["optimizer"], pipe.trainable_parameters(trained), request["lr"])
+        optimizer = _optimizer(request, pipe, trained)
     steps, accumulation = request["steps"], max(1, request["accumulation"])
     if request.get("prime_optimizer"):
         # Gradients outlive a step only while the same denoiser keeps training (see the loop).
@@ -513,8 +488,9 @@ def _train(pipe, request: dict, prompts: dict, result: dict, ema: list | None = 
         if (step + 1) % accumulation == 0 or step in (middle - 1, steps - 1) or expert_at(step + 1) != expert:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if ema is not None:
+                ema.update()
             pipe.meter.register(optimizer)
-            _ema_update(pipe, request, ema)
         timings.append(time.perf_counter() - start)
         result["steps_run"] = step + 1
     steady = timings[1:] or timings  # the first step pays one-time costs
@@ -562,14 +538,28 @@ def _training_latents(pipe, request: dict, side: int, frames: int, heaviest: boo
         return recipe.encode_images(pipe.parts["vae"], recipe.pixels(side, side, frames, batch)).detach()
 
 
-def _optimizer(name: str, params: list, lr: float):
-    import torch
+def _optimizer(request: dict, pipe, trained: list[str]):
+    """The job's optimizer as AI Toolkit builds it (see optimizers.py), over the trained parameters."""
+    from fitfinder import optimizers
 
-    if name == "adamw8bit":
-        import bitsandbytes as bnb
+    zero_at_start = [param for name in trained for param_name, param in pipe.parts[name].named_parameters()
+                     if param.requires_grad and ".lora_B." in param_name]  # peft's B starts at zero
+    return optimizers.build(request["optimizer"], pipe.trainable_parameters(trained), request["lr"],
+                            request.get("optimizer_params"), zero_at_start)
 
-        return bnb.optim.AdamW8bit(params, lr=lr)
-    return torch.optim.AdamW(params, lr=lr)
+
+def _ema(pipe, request: dict):
+    """train.ema_config.use_ema: a shadow of every trained parameter (see optimizers.Ema), or None."""
+    if request.get("ema_decay") is None:
+        return None
+    from fitfinder import optimizers
+
+    return optimizers.Ema(pipe.trainable_parameters(request["trained"]), request["ema_decay"])
+
+
+def _ema_weights(ema):
+    """A preview renders with the EMA weights, as AI Toolkit's sample() does."""
+    return contextlib.nullcontext() if ema is None else ema.swapped_in()
 
 
 def _maybe_fault(fault: str | None) -> None:

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from fitfinder.errors import ConfigError
-from fitfinder.jobconfig import AITK_DEFAULTS, FRAMES, PIXELS, RANKS, JobFile, brief, int_in
+from fitfinder.jobconfig import (AITK_DEFAULTS, FRAMES, PIXELS, RANKS, JobFile, brief, int_in, is_full_fine_tune,
+                                 optimizer_name)
 
 Point = dict[str, Any]  # knob name -> one of its candidates (a JSON scalar)
 
@@ -36,7 +37,7 @@ _ALL = frozenset(PHASES)
 _DATA = frozenset({"latents", "train"})
 _PREVIEW = frozenset({"sample", "last_sample"})
 # Default priority of the quality knobs: training fidelity > preview fidelity > flexibility.
-QUALITY_ORDER = ("buckets", "frames", "rank", "quantize", "optimizer",
+QUALITY_ORDER = ("buckets", "frames", "rank", "quantize", "optimizer", "ema",
                  "sampling", "sample_size", "sample_frames", "text_encoder")
 # The speed knobs' order. The search climbs the batch first, one step at a time, then turns the
 # switches off in this order (checkpointing, then offload), each alone before two together.
@@ -291,7 +292,9 @@ def _alpha_of(job: JobFile) -> float:
     return float(job.get("network.linear_alpha", None) or job.get("network.alpha", 1.0))
 
 
-def _rank(job: JobFile, override: list | None, video: bool) -> Knob:
+def _rank(job: JobFile, override: list | None, video: bool) -> Knob | None:
+    if is_full_fine_tune(job):
+        return None  # no LoRA: the whole denoiser trains
     desired = _rank_of(job)
     if override is None:
         values = [2**i for i in range(0, 16) if MIN_RANK <= 2**i < desired] + [desired]
@@ -321,9 +324,13 @@ def quantize_level(job: JobFile) -> str:
     return "4bit" if qtype in FOUR_BIT else "8bit"
 
 
-def _quantize(job: JobFile, override: list | None, video: bool) -> Knob:
+def _quantize(job: JobFile, override: list | None, video: bool) -> Knob | None:
     ladder = ("4bit", "8bit", "none")
     desired = quantize_level(job)
+    if is_full_fine_tune(job) and desired == "none" and override is None:
+        # The trained weights are the base's own: quantizing them is another training, not a
+        # memory trade (AI Toolkit's full fine-tune examples: "a crapshoot").
+        return None
     values = ladder[:ladder.index(desired) + 1] if override is None else _with_desired(
         override, desired, lambda v: v in ladder, "none, 8bit or 4bit")
     # While loading, the weights arrive in full precision and are quantized on the device (AI
@@ -340,22 +347,49 @@ def _apply_quantize(job: JobFile, level: str, space: Space) -> None:
     job.set("model.qtype", "uint4" if level == "4bit" else "qfloat8")
 
 
-# -- optimizer precision: train.optimizer --------------------------------------------------------
-OPTIMIZERS = ("adamw8bit", "adamw")  # lightest first: 8-bit states, then full precision
+# -- optimizer: train.optimizer ------------------------------------------------------------------
+# Every optimizer fitfinder probes, lightest state first (bytes per trained
+# element: adafactor's factored fp32 moments, lion8bit 1, the 8-bit Adams 2, lion 1 and Adam(W) 2
+# in the weights' dtype, prodigy 4).
+OPTIMIZERS = ("adafactor", "lion8bit", "adam8bit", "adamw8bit", "lion", "adam", "adamw", "prodigy")
+# Where AI Toolkit offers the same algorithm with 8-bit states, the two are a precision choice;
+# any other change of optimizer is a different training and happens only when the user lists it.
+PRECISION_TWINS = {"adamw": "adamw8bit", "adam": "adam8bit", "lion": "lion8bit"}
 
 
 def _optimizer(job: JobFile, override: list | None, video: bool) -> Knob | None:
-    desired = str(job.get("train.optimizer")).lower()
-    if desired not in OPTIMIZERS:
-        return None  # prodigy, adafactor, ...: not a precision trade fitfinder knows
-    values = OPTIMIZERS[:OPTIMIZERS.index(desired) + 1] if override is None else _with_desired(
-        [str(v).lower() for v in override], desired, lambda v: v in OPTIMIZERS, "adamw or adamw8bit")
+    desired = optimizer_name(job.get("train.optimizer"))
+    if override is None:
+        values = [PRECISION_TWINS[desired], desired] if desired in PRECISION_TWINS else [desired]
+    else:
+        values = _with_desired([optimizer_name(v) or str(v) for v in override], desired,
+                               lambda v: v in OPTIMIZERS, ", ".join(OPTIMIZERS))
+        # Never past the desired point: a heavier state than the user's is no better for fitting.
+        values = [v for v in values if OPTIMIZERS.index(v) <= OPTIMIZERS.index(desired)]
     return Knob("optimizer", "quality", tuple(v for v in OPTIMIZERS if v in values), desired,
                 ("train.optimizer",), frozenset({"train", "last_sample"}))
 
 
 def _apply_optimizer(job: JobFile, name: str, space: Space) -> None:
     job.set("train.optimizer", name)
+
+
+# -- EMA: train.ema_config.use_ema ------------------------------------------------------------------
+def _ema(job: JobFile, override: list | None, video: bool) -> Knob | None:
+    desired = bool(job.get("train.ema_config.use_ema"))
+    if not desired:
+        return None  # never past the desired point: no EMA asked, none added
+    values = [False, True] if override is None else _with_desired(
+        override, desired, lambda v: isinstance(v, bool), "true or false")
+    # A shadow of the trained weights from before the first preview on, and a stored copy of
+    # them from the first preview on (AI Toolkit's toolkit/ema.py): from a full fine-tune, two
+    # more copies of the model.
+    return Knob("ema", "quality", tuple(v for v in (False, True) if v in values), desired,
+                ("train.ema_config.use_ema",), frozenset({"sample", "train", "last_sample"}))
+
+
+def _apply_ema(job: JobFile, on: bool, space: Space) -> None:
+    job.set("train.ema_config.use_ema", bool(on))
 
 
 # -- preview sampling: on/off, size, frames --------------------------------------------------------
@@ -485,14 +519,14 @@ _checkpointing, _apply_checkpointing = _switch("gradient_checkpointing", "train.
 _low_vram, _apply_low_vram = _switch("low_vram", "model.low_vram", _ALL, light=True)
 
 _BUILDERS: dict[str, Callable[[JobFile, list | None, bool], Knob | None]] = {
-    "buckets": _buckets, "frames": _frames, "rank": _rank, "quantize": _quantize, "optimizer": _optimizer,
+    "buckets": _buckets, "frames": _frames, "rank": _rank, "quantize": _quantize, "optimizer": _optimizer, "ema": _ema,
     "sampling": _sampling, "sample_size": _sample_size, "sample_frames": _sample_frames,
     "text_encoder": _text_encoder, "batch": _batch, "gradient_checkpointing": _checkpointing,
     "low_vram": _low_vram,
 }
 _APPLY: dict[str, Callable[[JobFile, Any, Space], None]] = {
     "buckets": _apply_buckets, "frames": _apply_frames, "rank": _apply_rank, "quantize": _apply_quantize,
-    "optimizer": _apply_optimizer, "sampling": _apply_sampling, "sample_size": _apply_sample_size,
+    "optimizer": _apply_optimizer, "ema": _apply_ema, "sampling": _apply_sampling, "sample_size": _apply_sample_size,
     "sample_frames": _apply_sample_frames, "text_encoder": _apply_text_encoder, "batch": _apply_batch,
     "gradient_checkpointing": _apply_checkpointing, "low_vram": _apply_low_vram,
 }
@@ -500,6 +534,7 @@ _LABELS: dict[str, Callable[[Any], str]] = {
     "buckets": lambda v: f"[{v}]",
     "gradient_checkpointing": lambda v: "on" if v else "off",
     "low_vram": lambda v: "on" if v else "off",
+    "ema": lambda v: "on" if v else "off",
     "sampling": lambda v: "on" if v else "off",
 }
 _SHORT = {"gradient_checkpointing": "gc", "sample_size": "sample", "text_encoder": "te"}

@@ -64,12 +64,13 @@ def load(spec: dict, settings: dict, meter) -> Pipeline:
             pipe.place(pipe.on_device | {part})
             if qtype:
                 quantize(pipe.parts[part], qtype, meter.repeated)
+    make_trainable = _add_lora if settings["rank"] else _train_whole
     for name in settings["trained"]:
         if name in pipe.on_device:
-            _add_lora(pipe, name, settings)
+            make_trainable(pipe, name, settings)
         else:
             with meter.host():
-                _add_lora(pipe, name, settings)
+                make_trainable(pipe, name, settings)
     return pipe
 
 
@@ -116,5 +117,22 @@ def _add_lora(pipe: Pipeline, name: str, settings: dict) -> None:
     for param in denoiser.parameters():
         if param.requires_grad:
             param.data = param.data.to(torch.float32)
+    if settings["gradient_checkpointing"]:
+        denoiser.enable_gradient_checkpointing()
+
+
+def _train_whole(pipe: Pipeline, name: str, settings: dict) -> None:
+    """A full fine-tune (no `network`): the denoiser's own weights train, in the dtype they were
+    loaded in, as AI Toolkit's `prepare_optimizer_params` picks them: every parameter whose
+    "PART.NAME" contains one of `only_if_contains` (all when unset) and none of `ignore_if_contains`.
+    No fp32 master copy: AI Toolkit steps bf16 weights in place (its Adafactor rounds stochastically).
+    """
+    only, ignore = settings.get("only_if_contains") or [], settings.get("ignore_if_contains") or []
+    denoiser = pipe.parts[name]
+    for param_name, param in denoiser.named_parameters():
+        full_name = f"{name}.{param_name}"
+        wanted = (not only or any(text in full_name for text in only)) and not any(text in full_name for text in ignore)
+        if wanted and param.dtype.is_floating_point:  # a quantized weight cannot train
+            param.requires_grad_(True)
     if settings["gradient_checkpointing"]:
         denoiser.enable_gradient_checkpointing()
