@@ -18,6 +18,7 @@ SUPPORTED = {
     "train_lora_flex_24gb": "flex1-alpha",
     "train_lora_wan21_14b_24gb": "wan21-14b", "train_lora_wan21_1b_24gb": "wan21-1.3b",
     "train_lora_wan22_14b_24gb": "wan22-14b",
+    "train_full_fine_tune_flex": "flex1-alpha",
 }
 # Known to fitfinder, with an architecture config, but no family module yet: what the CLI says.
 NOT_YET = {
@@ -30,17 +31,16 @@ NOT_YET = {
     "train_lora_qwen_image_edit_2509_32gb": ("model.arch 'qwen_image_edit_plus'", "qwen_image"),
     "train_lora_sd35_large_24gb": ("model.is_v3", "sd3"),
     "train_lora_lumina": ("model.is_lumina2", "lumina2"),
+    "train_full_fine_tune_lumina": ("model.is_lumina2", "lumina2"),
     "train_lora_omnigen2_24gb": ("model.arch 'omnigen2'", "omnigen2"),
     "ui_wan21_i2v": ("model.arch 'wan21_i2v:14b480p'", "wan21_i2v"),
     "ui_wan22_14b_i2v": ("model.arch 'wan22_14b_i2v'", "wan22_i2v"),
     "ui_wan22_5b": ("model.arch 'wan22_5b'", "wan22_5b"),
     "ui_ltx2": ("model.arch 'ltx2'", "ltx2"),
 }
-# Jobs without a LoRA (issue 16): the full fine-tunes and the Redux adapter, refused by the job file's checks.
+# Jobs that train an adapter (Redux), neither a LoRA nor the denoiser: refused by the job file's checks.
 NO_LORA = {
-    "train_full_fine_tune_flex": ["network.linear: missing", "train.optimizer: expected one of adamw"],
-    "train_full_fine_tune_lumina": ["network.linear: missing", "train.optimizer: expected one of adamw"],
-    "train_flex_redux": ["network.linear: missing"],
+    "train_flex_redux": ["adapter: fitfinder probes LoRA jobs and full fine-tunes, not adapter training"],
 }
 
 

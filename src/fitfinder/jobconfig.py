@@ -439,6 +439,11 @@ def _value_problems(job: JobFile) -> list[str]:
     if problems:
         return problems
 
+    if job.has("adapter") and not job.has("network"):
+        # An adapter job (AI Toolkit's Redux, IP-Adapter, control adapters) trains neither a LoRA nor
+        # the denoiser: taking it for a full fine-tune would meter the wrong model.
+        problems.append(f"{p}adapter: fitfinder probes LoRA jobs and full fine-tunes, not adapter "
+                        "training; it cannot size this job")
     if job.has("network") and not job.has("network.linear") and not job.has("network.rank"):
         problems.append(f"{p}network.linear: missing; set the LoRA rank, or leave `network` out for a full fine-tune")
     for path, (low, high) in _INTEGERS.items():
