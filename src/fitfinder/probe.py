@@ -465,15 +465,23 @@ def _optimizer(name: str, params: list, lr: float):
 
 
 def _maybe_fault(fault: str | None) -> None:
-    """Injected failures for testing the parent's handling (FITFINDER_PROBE_FAULT, see search.py)."""
+    """Injected failures for testing the parent's handling (FITFINDER_PROBE_FAULT, see faults.py);
+    "garbage" happens where the result line is written (`_result_line`)."""
     if fault == "abort":
         os.abort()
     elif fault == "hang":
         time.sleep(10**6)
     elif fault == "silent":
         os._exit(0)
-    elif fault == "garbage":
-        os._exit(3)
+
+
+def _result_line(result: dict[str, Any], request: dict[str, Any]) -> bytes:
+    """The one JSON result line; with the "garbage" fault, the first half of it, as a probe
+    killed while writing would leave it."""
+    line = json.dumps(result)
+    if request.get("fault") == "garbage":
+        line = line[:len(line) // 2]
+    return (line + "\n").encode()
 
 
 # -- the child process -------------------------------------------------------------------------
@@ -484,9 +492,10 @@ def child_main(request_json: str, result_conn, log_path: str | None) -> None:
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
-    result = run(json.loads(request_json))
+    request = json.loads(request_json)
+    result = run(request)
     sys.stdout.flush()
-    result_conn.send_bytes((json.dumps(result) + "\n").encode())
+    result_conn.send_bytes(_result_line(result, request))
     result_conn.close()
 
 
@@ -497,7 +506,7 @@ def main() -> None:
     os.dup2(2, 1)  # whatever libraries print goes to stderr, never into the result line
     result = run(request)
     sys.stdout.flush()
-    os.write(stdout, (json.dumps(result) + "\n").encode())
+    os.write(stdout, _result_line(result, request))
 
 
 def _die_with_parent() -> None:
@@ -582,11 +591,25 @@ def _parse(line: bytes | None, process, timeout_s: float, log_path) -> dict[str,
         return _no_result("error", f"probe process exited with code {code} without a result line", log_path)
     try:
         result = json.loads(line)
-        if result.get("status") not in RESULT_STATUSES:
-            raise ValueError("no status")
-        return result
     except ValueError:
+        result = None
+    if not _well_formed(result):
         return _no_result("error", f"probe printed no JSON result: {line[:200]!r}", log_path)
+    return result
+
+
+def _well_formed(result: Any) -> bool:
+    """A result the search can read: a known status, and numbers where it reads numbers (a line
+    that parses as JSON can still be garbage)."""
+    def count(value: Any) -> bool:
+        return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0)
+
+    if not isinstance(result, dict) or result.get("status") not in RESULT_STATUSES:
+        return False
+    phases = result.get("phases") or {}
+    return (count(result.get("peak_bytes")) and count(result.get("seconds_per_step")) and isinstance(phases, dict)
+            and all(isinstance(name, str) and count(peak) for name, peak in phases.items())
+            and (result["status"] != "ok" or result.get("peak_bytes") is not None))
 
 
 def _no_result(status: str, reason: str, log_path) -> dict[str, Any]:
