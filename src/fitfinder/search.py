@@ -41,7 +41,7 @@ from fitfinder.errors import UserError
 from fitfinder.space import PHASES, Point, Space
 
 FIT, NOFIT = "fit", "nofit"
-EXCLUDED = "excluded"  # probed ATTEMPTS times, and every time it crashed, hung or gave garbage
+EXCLUDED = "excluded"  # its last ATTEMPTS probes crashed, hung or gave garbage
 ATTEMPTS = 2  # a probe that failed without running out of memory is tried once more
 CONFIRM_FACTOR = 3  # a confirmation probe runs this many times the probe steps
 # The seeds' rollback moves: the knobs to lighten when a probe runs out of memory in a phase.
@@ -124,9 +124,9 @@ class Knowledge:
         for result in own:
             if result.verdict == NOFIT:
                 return NOFIT, result
-        failures = [r for r in own if r.verdict is None]
-        if len(failures) >= ATTEMPTS:
-            return EXCLUDED, failures[-1]
+        failures = self.failures_in_a_row(point)
+        if failures >= ATTEMPTS:
+            return EXCLUDED, own[-1]
         for result in self.results:
             if result.verdict == NOFIT and self._fails_like(point, result):
                 return NOFIT, result
@@ -164,6 +164,16 @@ class Knowledge:
             return heavier(point, failed.point)
         return any(heavier(point, failed.point, phase) for phase in failed.failed_phases)
 
+    def failures_in_a_row(self, point: Point) -> int:
+        """How many of the point's last probes failed without saying anything about memory (a
+        crash, a hang, garbage): 1 asks for a retry, ATTEMPTS excludes the point."""
+        count = 0
+        for result in reversed(self.probed(point)):
+            if result.verdict is not None:
+                break
+            count += 1
+        return count
+
     def excluded(self) -> list[Result]:
         """The last failure of each point excluded after ATTEMPTS failed probes."""
         last = {self.space.key(r.point): r for r in self.results if r.verdict is None}
@@ -181,8 +191,8 @@ def plan(space: Space, known: Knowledge) -> Step:
     """The next point to probe, or Step(None) when the best point is confirmed (or nothing fits)."""
     decided: list[tuple[Point, Result]] = []
     desired = space.desired()
-    if not known.probed(desired):
-        return Step(desired, "base")
+    if not known.probed(desired) or known.failures_in_a_row(desired) == len(known.probed(desired)) < ATTEMPTS:
+        return Step(desired, "base")  # never probed, or its probe failed once: (again) the base
     point = _rollback(space, known, decided)
     if point is not None:
         return Step(point, "rollback", decided=decided)

@@ -54,7 +54,7 @@ def work(job, space, study, options, limit: int | None, out) -> None:
             faults.kill_if_at("planned", len(study.get_trials(deepcopy=False)))
             trial = studies.claim(study, space, step.point, step.purpose)
             if trial is not None:
-                first_attempt = not any(r.verdict is None for r in known.probed(step.point))  # no failed try yet
+                first_attempt = known.failures_in_a_row(step.point) == 0  # not a retry
                 _probe(trial, job, space, study, options, limit, bench, first_attempt, out)
 
 
