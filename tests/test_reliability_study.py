@@ -44,7 +44,7 @@ def _study(folder: Path):
 
 def _results(study) -> list[tuple[str, str, str]]:
     """(point, stage, status) of every trial that holds a probe's result, in trial order."""
-    return [(json.dumps(t.params, sort_keys=True), t.user_attrs["purpose"], t.user_attrs["status"])
+    return [(json.dumps(t.params, sort_keys=True), t.user_attrs.get("purpose"), t.user_attrs["status"])
             for t in study.trials if t.user_attrs.get("status") in ("ok", "oom", "error", "timeout")]
 
 
@@ -269,3 +269,28 @@ def test_searching_the_search_s_own_best_yaml_is_refused_before_it_runs(clean):
     result = run_cli("search", str(best), "--study", NAME, "--vram", "13.2MiB", cwd=folder)
     assert_one_clean_line(result, "is where this search writes its winner")
     assert best.read_text() == before
+
+
+def test_a_study_with_half_written_trials_is_still_read_reported_and_resumed(tmp_path, clean):
+    """What older versions or a kill mid-write could leave: a RUNNING trial with one parameter of
+    four and no owner, a failed trial that still says "ok", a finished one with no status."""
+    folder = tmp_path / "broken"
+    shutil.copytree(clean["folder"], folder)
+    study = _study(folder)
+    half = study.ask()
+    half.suggest_categorical("batch", [1, 2, 4])  # killed before the other parameters
+    said_ok = study.ask({"batch": optuna.distributions.CategoricalDistribution([1, 2, 4])})
+    said_ok.set_user_attr("status", "ok")
+    study.tell(said_ok, state=optuna.trial.TrialState.FAIL)
+    study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.PRUNED, user_attrs={"point": "junk"}))
+    report = run_cli("report", NAME, cwd=folder)
+    assert report.returncode == 0, report.stderr
+    summary = json.loads((folder / "results" / NAME / "summary.json").read_text())
+    assert summary["best"] == clean["best"] and summary["probes_run"] == len(clean["results"])
+    time.sleep(2.5)  # past the grace of FAST_HEARTBEAT since the half trial started
+    done = _search(folder, **FAST_HEARTBEAT)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["best"] == clean["best"]
+    left = _study(folder).trials[half.number]
+    assert left.state == optuna.trial.TrialState.FAIL and "never sent a heartbeat" in left.user_attrs["error"]
+    assert [r for r in _results(_study(folder)) if r[1] is not None] == clean["results"]  # nothing probed again
