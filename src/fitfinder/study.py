@@ -297,7 +297,8 @@ def _retry_of(study, point: Point, purpose: str) -> dict[str, int]:
     from optuna.trial import TrialState
 
     failed = [t.number for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
-              if params_of(t) == point and t.user_attrs.get("purpose") == purpose]
+              if params_of(t) == point and t.user_attrs.get("purpose") == purpose
+              and t.user_attrs.get("status") in ("error", "timeout", "abandoned")]  # not a duplicate
     return {"failed_trial": failed[-1]} if failed else {}
 
 
