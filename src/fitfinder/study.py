@@ -8,6 +8,8 @@ How results map onto trial states (the sampler and the dashboard both read them)
   Optuna's TPE ranks pruned trials below every completed one, so the sampler learns to avoid
   the region, and the dashboard shows them as pruned, the way users read an OOM.
 - crashed, hung, no result line   -> FAIL, with the reason in `error`.
+- its worker is gone              -> FAIL with `status: abandoned` and the reason in `error`
+  (`fail_stale`); its point is planned again.
 - decided without a probe         -> PRUNED with `status: decided` and `decided_by` (the trial
   whose result rules it out): points the plan would have probed, had dominance not settled them.
 - estimated well over the budget  -> PRUNED with `status: oom` and `estimated: true` (the search's
