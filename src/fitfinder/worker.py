@@ -95,6 +95,7 @@ def _probe(trial, job, space, study, options, limit, bench: _Bench, first_attemp
                 outcome = bench.runner.run(request, bench.log_dir / f"trial-{trial.number:04d}.log")
                 killer.cancel()
     except KeyboardInterrupt:
+        trial.set_user_attr("error", "interrupted: the search was stopped while this probe ran")
         study.tell(trial, state=studies.fail_state(), skip_if_finished=True)
         raise
     faults.kill_if_at("probed", trial.number)
