@@ -37,8 +37,9 @@ never taken for a result.
 The storage is SQLite (studies/NAME.db) unless `--storage` names another -- also with several
 workers on one machine: Optuna's journal file has no heartbeats, and a search writes a handful
 of rows per probe, seconds apart, which SQLite serializes without trouble. One thing SQLite does
-not do is lock the waiting trial a worker takes, so claims on a SQLite study hold a file lock
-beside it (benchmarks/scaleout.py measures both).
+not do is lock rows between a read and a write, so claims on a SQLite study, and the creation of
+its tables by two searches started together, hold a file lock beside it (NAME.db.lock;
+benchmarks/scaleout.py measures why).
 """
 
 from __future__ import annotations

@@ -91,9 +91,8 @@ def _probe(trial, job, space, study, options, limit, bench: _Bench, first_attemp
         with studies.heartbeat_while(study, trial):
             outcome = bench.screen.outcome(request, purpose) if bench.screen else None
             if outcome is None:
-                killer = _kill_while_probing(trial.number)
+                _kill_while_probing(trial.number)
                 outcome = bench.runner.run(request, bench.log_dir / f"trial-{trial.number:04d}.log")
-                killer.cancel()
     except KeyboardInterrupt:
         trial.set_user_attr("error", "interrupted: the search was stopped while this probe ran")
         study.tell(trial, state=studies.fail_state(), skip_if_finished=True)
@@ -107,14 +106,14 @@ def _probe(trial, job, space, study, options, limit, bench: _Bench, first_attemp
         out.advance()
 
 
-def _kill_while_probing(trial_number: int) -> threading.Timer:
+def _kill_while_probing(trial_number: int) -> None:
     """FITFINDER_KILL_AT=probing:N: SIGKILL this process a moment after trial N's probe started."""
     from fitfinder import faults
 
-    timer = threading.Timer(0.3, faults.kill_if_at, args=("probing", trial_number))
-    timer.daemon = True
-    timer.start()
-    return timer
+    if faults.kill_point() == ("probing", trial_number):
+        timer = threading.Timer(0.3, faults.kill_if_at, args=("probing", trial_number))
+        timer.daemon = True
+        timer.start()
 
 
 def _record_decided(study, space, decided: list[tuple[dict, Result]]) -> None:
