@@ -532,6 +532,7 @@ class ProbeRunner:
         from fitfinder.meter import CUDA_ALLOC_CONF
 
         self.timeout_s = timeout_s
+        self._server_ready = False
         # The forkserver and its children inherit this environment when the server starts: the
         # allocator setting must be there before any child touches CUDA.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
@@ -540,6 +541,7 @@ class ProbeRunner:
         self.context.set_forkserver_preload(["fitfinder._preload"])
 
     def run(self, request: dict[str, Any], log_path: str | Path | None = None) -> dict[str, Any]:
+        self._wait_for_the_server()
         reader, writer = self.context.Pipe(duplex=False)
         started = time.perf_counter()
         process = self.context.Process(target=child_main, daemon=True,
@@ -557,6 +559,16 @@ class ProbeRunner:
         result["wall_seconds"] = round(time.perf_counter() - started, 3)
         return result
 
+    def _wait_for_the_server(self) -> None:
+        """Fork one empty child first: the forkserver answers only once its imports are done
+        (~10 s on a busy machine), which must not count against the first probe's timeout."""
+        if self._server_ready:
+            return
+        child = self.context.Process(target=_nothing, daemon=True)
+        child.start()
+        child.join()
+        self._server_ready = True
+
     def _read_line(self, reader, process) -> bytes | None:
         if not reader.poll(self.timeout_s):
             return b"timeout"
@@ -565,6 +577,10 @@ class ProbeRunner:
         except EOFError:  # the child ended without a result line
             process.join(5)
             return None
+
+
+def _nothing() -> None:
+    pass
 
 
 def _children_import_this_fitfinder() -> None:
