@@ -41,7 +41,7 @@ def search_once(workers: int, probe_steps: int) -> dict:
         env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
         started = time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "fitfinder", "search", "configs/demo.yaml", "--json",
-                               "--workers", str(workers), "--probe-steps", str(probe_steps)],
+                               "--workers", str(workers), "--force", "--probe-steps", str(probe_steps)],
                               cwd=folder, env=env, capture_output=True, text=True)
         seconds = time.perf_counter() - started
         if done.returncode != 0:

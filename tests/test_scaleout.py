@@ -83,8 +83,8 @@ def test_three_workers_on_two_machines_share_a_postgres_study(postgres, workdir,
 
 @pytest.mark.slow
 def test_a_killed_worker_is_replaced_and_its_trial_retried(workdir, demo_run):
-    search = subprocess.Popen([sys.executable, "-m", "fitfinder", "search", "configs/demo.yaml", "--workers", "3"],
-                              cwd=workdir, env=cli_env(**FAST_HEARTBEAT), stdout=subprocess.PIPE, text=True)
+    search = subprocess.Popen([sys.executable, "-m", "fitfinder", "search", "configs/demo.yaml", "--workers", "3",
+                               "--force"], cwd=workdir, env=cli_env(**FAST_HEARTBEAT), stdout=subprocess.PIPE, text=True)
     pids = {}
     for line in search.stdout:  # "fitfinder: worker 2 (pid 1234) on the CPU"
         if line.startswith("fitfinder: worker"):
@@ -108,7 +108,8 @@ def test_a_killed_worker_is_replaced_and_its_trial_retried(workdir, demo_run):
 
     study = optuna.load_study(study_name=NAME, storage=storage)
     dead = study.trials[killed_trial.number]
-    assert dead.state == optuna.trial.TrialState.FAIL  # failed by a live worker once its heartbeat stopped
+    assert dead.state == optuna.trial.TrialState.FAIL  # failed by a live worker: its process is gone
+    assert dead.user_attrs["status"] == "abandoned" and f"no process {victim} on this machine" in dead.user_attrs["error"]
     retries = [t for t in study.trials if t.system_attrs.get("failed_trial") == dead.number]
     assert len(retries) == 1 and retries[0].params == dead.params
     assert retries[0].state.is_finished() and retries[0].user_attrs.get("status") in ("ok", "oom")

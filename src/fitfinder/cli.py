@@ -68,7 +68,8 @@ def search(
     storage: Optional[str] = typer.Option(None, "--storage", help="Optuna storage URL [sqlite:///studies/NAME.db]."),
     studies_dir: Path = typer.Option(Path("studies"), "--studies-dir", help="Where SQLite studies live."),
     results_dir: Path = typer.Option(Path("results"), "--results-dir", help="Where results/NAME/ goes."),
-    force: bool = typer.Option(False, "--force", help="Search even if the GPU preflight finds the card not clean."),
+    force: bool = typer.Option(False, "--force", help="Search even if the GPU preflight finds the card not clean, "
+                                                     "or with more --workers than CPU cores."),
     workers: int = typer.Option(1, "--workers", help="Worker processes on the CPU (sim meter); with --gpu: one per GPU."),
     worker: bool = typer.Option(False, "--worker", hidden=True, help="Run as one worker of a launched search."),
     prescreen: Optional[bool] = typer.Option(
@@ -91,10 +92,15 @@ def search(
     if len(gpus) > 1 and workers > 1:
         raise UserError("--workers is for the CPU; with --gpu 0,1,... there is one worker per GPU")
     workers = max(workers, len(gpus))  # without CUDA, --gpu 0,1 still searches with two workers
+    if meter == "cuda" and workers > len(gpus) and not force:
+        raise UserError(f"--workers {workers} on {len(gpus)} card(s): workers sharing a card measure each other's "
+                        "memory; give one card per worker with --gpu 0,1,..., or add --force to insist")
     cores = os.cpu_count() or 1
     if meter == "sim" and workers > cores and not worker:
-        out.note(f"{workers} workers on {cores} CPU cores: sim probes will share the cores, and a search "
-                 f"with more workers than cores is slower, not faster (docs/scaleout.md)")
+        if not force:  # each worker is a process with its own probes: a thousand would be a fork bomb
+            raise UserError(f"--workers {workers} is more than the {cores} CPU cores here, and a search with more "
+                            "workers than cores is slower, not faster (docs/scaleout.md); add --force to insist")
+        out.note(f"{workers} workers on {cores} CPU cores: sim probes will share the cores")
     if meter == "cuda" and not worker:  # a dirty card would prune configurations that fit: check first
         from fitfinder import preflight
 
@@ -126,7 +132,8 @@ def search(
     out.table(["knob", "desired", "chosen", "", "forced by"], rows)
     out.line(f"best: {space_.describe(summary.best_point)}  peak {format_bytes(summary.best.peak_bytes)} "
              f"of {format_bytes(summary.budget_bytes)}  ({summary.probes_run} probes"
-             f"{'' if summary.proven else ', not proven: trial cap reached'})")
+             f"{'' if summary.proven else ', not proven: trial cap reached'}"
+             f"{'; ' + summary.proven_around() if summary.excluded else ''})")
     out.line(f"wrote {summary.best_file}")
     out.line(f"report: {report_file}")
 

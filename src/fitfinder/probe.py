@@ -563,15 +563,23 @@ def _ema_weights(ema):
 
 
 def _maybe_fault(fault: str | None) -> None:
-    """Injected failures for testing the parent's handling (FITFINDER_PROBE_FAULT, see search.py)."""
+    """Injected failures for testing the parent's handling (FITFINDER_PROBE_FAULT, see faults.py);
+    "garbage" happens where the result line is written (`_result_line`)."""
     if fault == "abort":
         os.abort()
     elif fault == "hang":
         time.sleep(10**6)
     elif fault == "silent":
         os._exit(0)
-    elif fault == "garbage":
-        os._exit(3)
+
+
+def _result_line(result: dict[str, Any], request: dict[str, Any]) -> bytes:
+    """The one JSON result line; with the "garbage" fault, the first half of it, as a probe
+    killed while writing would leave it."""
+    line = json.dumps(result)
+    if request.get("fault") == "garbage":
+        line = line[:len(line) // 2]
+    return (line + "\n").encode()
 
 
 # -- the child process -------------------------------------------------------------------------
@@ -582,9 +590,10 @@ def child_main(request_json: str, result_conn, log_path: str | None) -> None:
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
-    result = run(json.loads(request_json))
+    request = json.loads(request_json)
+    result = run(request)
     sys.stdout.flush()
-    result_conn.send_bytes((json.dumps(result) + "\n").encode())
+    result_conn.send_bytes(_result_line(result, request))
     result_conn.close()
 
 
@@ -595,7 +604,7 @@ def main() -> None:
     os.dup2(2, 1)  # whatever libraries print goes to stderr, never into the result line
     result = run(request)
     sys.stdout.flush()
-    os.write(stdout, (json.dumps(result) + "\n").encode())
+    os.write(stdout, _result_line(result, request))
 
 
 def _die_with_parent() -> None:
@@ -619,6 +628,7 @@ class ProbeRunner:
         import multiprocessing
 
         self.timeout_s = timeout_s
+        self._server_ready = False
         # Children inherit the user's environment, PYTORCH_CUDA_ALLOC_CONF included: AI Toolkit sets
         # no allocator option of its own, so the probe measures the allocator the training will have.
         _children_import_this_fitfinder()
@@ -626,6 +636,7 @@ class ProbeRunner:
         self.context.set_forkserver_preload(["fitfinder._preload"])
 
     def run(self, request: dict[str, Any], log_path: str | Path | None = None) -> dict[str, Any]:
+        self._wait_for_the_server()
         reader, writer = self.context.Pipe(duplex=False)
         started = time.perf_counter()
         process = self.context.Process(target=child_main, daemon=True,
@@ -643,6 +654,16 @@ class ProbeRunner:
         result["wall_seconds"] = round(time.perf_counter() - started, 3)
         return result
 
+    def _wait_for_the_server(self) -> None:
+        """Fork one empty child first: the forkserver answers only once its imports are done
+        (~10 s on a busy machine), which must not count against the first probe's timeout."""
+        if self._server_ready:
+            return
+        child = self.context.Process(target=_nothing, daemon=True)
+        child.start()
+        child.join()
+        self._server_ready = True
+
     def _read_line(self, reader, process) -> bytes | None:
         if not reader.poll(self.timeout_s):
             return b"timeout"
@@ -651,6 +672,10 @@ class ProbeRunner:
         except EOFError:  # the child ended without a result line
             process.join(5)
             return None
+
+
+def _nothing() -> None:
+    pass
 
 
 def _children_import_this_fitfinder() -> None:
@@ -677,11 +702,25 @@ def _parse(line: bytes | None, process, timeout_s: float, log_path) -> dict[str,
         return _no_result("error", f"probe process exited with code {code} without a result line", log_path)
     try:
         result = json.loads(line)
-        if result.get("status") not in RESULT_STATUSES:
-            raise ValueError("no status")
-        return result
     except ValueError:
+        result = None
+    if not _well_formed(result):
         return _no_result("error", f"probe printed no JSON result: {line[:200]!r}", log_path)
+    return result
+
+
+def _well_formed(result: Any) -> bool:
+    """A result the search can read: a known status, and numbers where it reads numbers (a line
+    that parses as JSON can still be garbage)."""
+    def count(value: Any) -> bool:
+        return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0)
+
+    if not isinstance(result, dict) or result.get("status") not in RESULT_STATUSES:
+        return False
+    phases = result.get("phases") or {}
+    return (count(result.get("peak_bytes")) and count(result.get("seconds_per_step")) and isinstance(phases, dict)
+            and all(isinstance(name, str) and count(peak) for name, peak in phases.items())
+            and (result["status"] != "ok" or result.get("peak_bytes") is not None))
 
 
 def _no_result(status: str, reason: str, log_path) -> dict[str, Any]:

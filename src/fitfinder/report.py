@@ -21,6 +21,7 @@ from typing import Any
 from fitfinder.errors import UserError
 from fitfinder.jobconfig import JobFile, write_atomic
 from fitfinder.space import Point, Space
+from fitfinder.study import params_of
 from fitfinder.units import format_bytes
 
 
@@ -63,7 +64,7 @@ def write_trials_csv(study, space: Space, path: Path) -> Path:
     writer.writerow(columns)
     for trial in study.get_trials(deepcopy=False):
         attrs = trial.user_attrs
-        point = attrs.get("point") or trial.params
+        point = params_of(trial)
         writer.writerow([
             trial.number, trial.state.name, attrs.get("status", ""),
             *(point.get(name, "") for name in space.names),
@@ -222,10 +223,12 @@ def write_report(study, space: Space, known, out_dir: Path, summary: dict[str, A
 
 
 def probes_of(study, known) -> list:
-    """Every trial as a report Probe, in trial order."""
+    """Every trial as a report Probe, in trial order. A trial whose point is not a whole point of
+    the space (a worker killed while an older fitfinder wrote it) shows without one."""
     from optuna.trial import TrialState
 
     from fitfinder._plots import Probe
+
 
     verdicts = {r.trial: r.verdict for r in known.results}
     probes = []
@@ -243,12 +246,16 @@ def probes_of(study, known) -> list:
         else:
             outcome = "error"
         probes.append(Probe(
-            number=trial.number, outcome=outcome, point=attrs.get("point") or dict(trial.params) or None,
+            number=trial.number, outcome=outcome, point=_whole_point(known.space, params_of(trial)),
             peak_bytes=attrs.get("peak_bytes"), phases=attrs.get("phases") or {}, phase=attrs.get("phase"),
             seconds_per_step=attrs.get("seconds_per_step"), start=trial.datetime_start,
             end=trial.datetime_complete, error=attrs.get("error"),
         ))
     return probes
+
+
+def _whole_point(space: Space, point: dict) -> Point | None:
+    return point if space.contains(point) else None
 
 
 def _phase_facts(result) -> dict[str, Any] | None:

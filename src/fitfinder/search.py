@@ -19,6 +19,11 @@ resumes where it stopped, and every decision can be explained by the trials behi
 5. Confirmation: the winner is probed again for longer (3x the steps); if that fails, the plan
    goes on from what it learned and confirms the next best.
 
+Faults: a probe that crashed, hung or printed garbage says nothing about memory. Its point is
+probed once more (the plan, finding it still unknown, asks for it again); if that fails too, the
+point alone is excluded -- never anything beyond it, as only an out-of-memory implies dominance --
+and a bisection steps around it, so the answer is proven only around that point (`excluded`).
+
 Dominance: memory is monotone in every knob, so a point at least as heavy as one that ran out of
 memory in a phase -- on the knobs that phase depends on -- fails too, and a point at most as
 heavy as one that fit fits too. Such points are never probed; the ones the plan would have
@@ -32,9 +37,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from fitfinder.errors import UserError
 from fitfinder.space import PHASES, Point, Space
 
 FIT, NOFIT = "fit", "nofit"
+EXCLUDED = "excluded"  # its last ATTEMPTS probes crashed, hung or gave garbage
+ATTEMPTS = 2  # a probe that failed without running out of memory is tried once more
 CONFIRM_FACTOR = 3  # a confirmation probe runs this many times the probe steps
 # The seeds' rollback moves: the knobs to lighten when a probe runs out of memory in a phase.
 ROLLBACK = {
@@ -106,20 +114,25 @@ class Knowledge:
         return self._by_key.get(self.space.key(point), [])
 
     def state(self, point: Point) -> str | None:
-        """FIT, NOFIT or unknown (None); a point that errored counts as NOFIT, for itself only."""
+        """FIT, NOFIT, EXCLUDED (its probes failed ATTEMPTS times, not out of memory) or unknown
+        (None). A probe that failed once leaves its point unknown, so the plan asks for it again."""
         return self.decider(point)[0]
 
     def decider(self, point: Point) -> tuple[str | None, Result | None]:
         """The state of `point` and the result that decides it. Failure wins over fit."""
         own = self.probed(point)
         for result in own:
-            if result.verdict != FIT:
+            if result.verdict == NOFIT:
                 return NOFIT, result
+        failures = self.failures_in_a_row(point)
+        if failures >= ATTEMPTS:
+            return EXCLUDED, own[-1]
         for result in self.results:
             if result.verdict == NOFIT and self._fails_like(point, result):
                 return NOFIT, result
         for result in own:
-            return FIT, result
+            if result.verdict == FIT:
+                return FIT, result
         for result in self.results:
             if result.verdict == FIT and self.space.heavier_or_equal(result.point, point):
                 return FIT, result
@@ -151,6 +164,21 @@ class Knowledge:
             return heavier(point, failed.point)
         return any(heavier(point, failed.point, phase) for phase in failed.failed_phases)
 
+    def failures_in_a_row(self, point: Point) -> int:
+        """How many of the point's last probes failed without saying anything about memory (a
+        crash, a hang, garbage): 1 asks for a retry, ATTEMPTS excludes the point."""
+        count = 0
+        for result in reversed(self.probed(point)):
+            if result.verdict is not None:
+                break
+            count += 1
+        return count
+
+    def excluded(self) -> list[Result]:
+        """The last failure of each point excluded after ATTEMPTS failed probes."""
+        last = {self.space.key(r.point): r for r in self.results if r.verdict is None}
+        return [r for r in last.values() if self.state(r.point) == EXCLUDED]
+
     def fits(self) -> list[Result]:
         return [r for r in self.results if r.verdict == FIT and self.state(r.point) == FIT]
 
@@ -163,8 +191,8 @@ def plan(space: Space, known: Knowledge) -> Step:
     """The next point to probe, or Step(None) when the best point is confirmed (or nothing fits)."""
     decided: list[tuple[Point, Result]] = []
     desired = space.desired()
-    if not known.probed(desired):
-        return Step(desired, "base")
+    if not known.probed(desired) or known.failures_in_a_row(desired) == len(known.probed(desired)) < ATTEMPTS:
+        return Step(desired, "base")  # never probed, or its probe failed once: (again) the base
     point = _rollback(space, known, decided)
     if point is not None:
         return Step(point, "rollback", decided=decided)
@@ -275,16 +303,26 @@ def _quality_stage(space: Space, known: Knowledge, decided: list) -> tuple[Point
             return None, {**fixed, **{k.name: k.desired for k in quality[i:]}}
         lower = {k.name: k.candidates[0] for k in quality[i + 1:]}
         top = knob.level(knob.desired)
-        lo, hi = _bounds(known, lambda level: {**fixed, knob.name: knob.candidates[level], **lower, **light}, top)
+        line = lambda level: {**fixed, knob.name: knob.candidates[level], **lower, **light}  # noqa: E731
+        lo, hi = _bounds(known, line, top)
         if hi - lo > 1:
             # The desired value with every later knob at its lightest first: the later knobs are
             # what usually broke the optimistic point. Then bisect, leaning high.
-            level = top if hi > top else (lo + hi + 1) // 2
-            return {**fixed, knob.name: knob.candidates[level], **lower, **light}, None
+            level = _open_level(known, line, lo, hi, top if hi > top else (lo + hi + 1) // 2)
+            if level is not None:
+                return line(level), None
+            # Every level left between the bounds is excluded: settled at `lo`, proven only around them.
         if lo < 0:
             return None, None  # not even the lightest value fits after the fixed ones
         fixed[knob.name] = knob.candidates[lo]
     return None, fixed
+
+
+def _open_level(known: Knowledge, line, lo: int, hi: int, wanted: int) -> int | None:
+    """`wanted`, or the level nearest it strictly between `lo` and `hi` (the higher first) whose
+    point is not excluded; None if every one is."""
+    open_levels = [level for level in range(lo + 1, hi) if known.state(line(level)) != EXCLUDED]
+    return min(open_levels, key=lambda level: (abs(level - wanted), -level), default=None)
 
 
 def _bounds(known: Knowledge, line, top: int) -> tuple[int, int]:
@@ -309,8 +347,11 @@ def _speed_stage(space: Space, known: Knowledge, quality: Point, decided: list) 
         lo, hi = _bounds(known, line, len(chain.candidates) - 1)
         if hi - lo > 1:
             step = line(lo + 1)  # one step at a time, as the seeds escalate
-            if _consider(known, step, decided) is None:
+            state = _consider(known, step, decided)
+            if state is None:
                 return step
+            if state == EXCLUDED and lo >= 0:
+                maximal.append(line(lo))  # as far as it is proven: the step up was excluded
         elif lo >= 0:
             maximal.append(line(lo))
     for point in maximal:
@@ -370,6 +411,7 @@ class SearchSummary:
     space: Space | None = None
     lightest: Result | None = None
     explanation: list[dict[str, Any]] = field(default_factory=list)
+    excluded: list[Result] = field(default_factory=list)  # points whose probes failed ATTEMPTS times
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -380,7 +422,16 @@ class SearchSummary:
             "seconds_per_sample": self.best.seconds_per_sample if self.best else None,
             "budget_bytes": self.budget_bytes, "limit_bytes": self.limit_bytes,
             "explanation": self.explanation,
+            "excluded": [{"trial": r.trial, "point": r.point, "error": (r.error or "")[:300]} for r in self.excluded],
         }
+
+    def proven_around(self) -> str:
+        """'' when the proof is whole; else what it could not look at, for the summary line."""
+        if not self.excluded:
+            return ""
+        trials = ", ".join(str(r.trial) for r in self.excluded)
+        return (f"proven only around {len(self.excluded)} point(s) whose probes failed {ATTEMPTS} times "
+                f"without running out of memory (trial {trials})")
 
 
 def drive(space: Space, known: Knowledge, probe_step, probes_run: int, max_probes: int,
@@ -416,6 +467,7 @@ def run(job, options: SearchOptions, out) -> SearchSummary | None:
 
     settings = job.settings
     space = spaces.build(job)
+    _refuse_before_writing(job, options)
     budget = settings.vram_bytes
     limit = int(budget * (1 - settings.margin)) if budget else None
     url = studies.storage_url(options.study_name, Path(options.studies_dir), options.storage)
@@ -423,21 +475,42 @@ def run(job, options: SearchOptions, out) -> SearchSummary | None:
                                {"budget_bytes": budget, "margin": settings.margin, "meter": options.meter,
                                 "job_file": str(job.source), "budget_is_card": options.budget_is_card})
     if options.worker:
-        workers.work(job, space, study, options, limit, out)
+        with studies.writable(options.study_name, url):
+            workers.work(job, space, study, options, limit, out)
         return None
     known = studies.load_knowledge(study, space, limit)
     out.note(f"study {options.study_name} ({url}): {len(space.knobs)} knobs, {space.size()} points, "
              f"{len(known.results)} trials already known; budget {_fmt(budget)}, "
              f"limit {_fmt(limit)} after the {settings.margin:.0%} margin")
     count = len(options.gpus) or options.workers
-    if count > 1:
-        workers.launch(job, options, url, count, out)
-    else:
-        workers.work(job, space, study, options, limit, out)
+    with studies.writable(options.study_name, url):
+        if count > 1:
+            workers.launch(job, options, url, count, out)
+        else:
+            workers.work(job, space, study, options, limit, out)
+        studies.fail_stale(study)  # a worker killed after the others finished: its trial says why
     known, pending = studies.read(study, space, limit)
     proven = plan(space, known).point is None and not pending
     return _finish(job, space, study, known, options, settings, url, studies.probes_in(study), proven,
                    budget, limit, out)
+
+
+def _refuse_before_writing(job, options: SearchOptions) -> None:
+    """Bad input found before studies/ and results/ are written: the test hooks' variables, a
+    name too long for a file, the search's own output as its input, model weights not there."""
+    from pathlib import Path
+
+    from fitfinder import faults, models, study as studies
+
+    faults.probe_faults()
+    faults.kill_point()
+    studies.heartbeat()
+    studies.check_name(options.study_name)
+    best_file = (Path(options.results_dir) / options.study_name / "best.yaml").resolve()
+    if Path(str(job.source)).resolve() == best_file:
+        raise UserError(f"{job.source} is where this search writes its winner; copy it elsewhere "
+                        "(or give --study NEW) to search from it")
+    models.model_spec(job)  # a missing model path says so now, not after the study is made
 
 
 MAX_ERRORS_IN_A_ROW = 5
@@ -479,6 +552,9 @@ def _finish(job, space, study, known, options, settings, url, probes_run, proven
         facts = report.fit_facts(winner, budget, settings.margin, options.meter, options.study_name)
         if not proven:
             facts.append(f"The search stopped at its cap of {settings.trials} probes before proving this is the best.")
+        for failed in known.excluded():
+            facts.append(f"Proven only around trial {failed.trial} ({space.describe(failed.point)}): its probe "
+                         f"failed {ATTEMPTS} times without running out of memory, so it was left out.")
         best_file = str(report.export_best(job, space, winner.point, results_dir, facts))
     lightest = min((r for r in known.results if r.peak_bytes),
                    key=lambda r: (sum(k.level(r.point[k.name]) for k in space.knobs), r.peak_bytes), default=None)
@@ -486,7 +562,8 @@ def _finish(job, space, study, known, options, settings, url, probes_run, proven
                             trials=len(study.trials), probes_run=probes_run, proven=proven, best=winner,
                             best_point=winner.point if winner else None, best_file=best_file,
                             budget_bytes=budget, limit_bytes=limit, space=space, lightest=lightest,
-                            explanation=explain(space, known, winner.point) if winner else [])
+                            explanation=explain(space, known, winner.point) if winner else [],
+                            excluded=known.excluded())
     report.write_report(study, space, known, results_dir, summary.as_json())  # summary.json, report.html
     return summary
 
@@ -495,17 +572,6 @@ def _fmt(n: int | None) -> str:
     from fitfinder.units import format_bytes
 
     return format_bytes(n)
-
-
-def _faults_from_env() -> dict[int, str]:
-    """FITFINDER_PROBE_FAULT="1:abort,2:hang": make those trials' probes fail on purpose (tests)."""
-    import os
-
-    faults = {}
-    for item in filter(None, os.environ.get("FITFINDER_PROBE_FAULT", "").split(",")):
-        number, _, fault = item.partition(":")
-        faults[int(number)] = fault
-    return faults
 
 
 # -- explanation -----------------------------------------------------------------------------

@@ -8,6 +8,8 @@ How results map onto trial states (the sampler and the dashboard both read them)
   Optuna's TPE ranks pruned trials below every completed one, so the sampler learns to avoid
   the region, and the dashboard shows them as pruned, the way users read an OOM.
 - crashed, hung, no result line   -> FAIL, with the reason in `error`.
+- its worker is gone              -> FAIL with `status: abandoned` and the reason in `error`
+  (`fail_stale`); its point is planned again.
 - decided without a probe         -> PRUNED with `status: decided` and `decided_by` (the trial
   whose result rules it out): points the plan would have probed, had dominance not settled them.
 - estimated well over the budget  -> PRUNED with `status: oom` and `estimated: true` (the search's
@@ -20,18 +22,24 @@ speed or confirm (a confirmation runs longer).
 Objectives: `quality` (the lexicographic quality key as one integer, maximize) and
 `seconds_per_sample` (minimize).
 
-Several workers share one study (processes on one machine, machines on one PostgreSQL). Every
-planned point enters the study with `enqueue_trial`, and `ask` hands each waiting trial to exactly
-one worker. Two workers may still plan the same point at the same moment: of the trials with the
-same point and stage, the lowest-numbered one that did not fail is probed and the others are
-failed as duplicates. While a probe runs its worker records heartbeats; a trial whose heartbeat
-stops (its worker died) is failed by the next worker that looks, and retried once.
+Several workers share one study (processes on one machine, machines on one PostgreSQL), and any
+of them may be killed at any instant. A claimed trial is born RUNNING with its whole point, its
+purpose and its owner (host and process id) in one storage transaction (`claim`), so no reader
+ever sees half a trial. Two workers may still plan the same point at the same moment: of the
+trials with the same point and stage, the lowest-numbered one that did not fail is probed and the
+others are failed as duplicates. While a probe runs its worker records heartbeats. A RUNNING
+trial whose worker is gone -- its process no longer lives on this machine, its heartbeat went
+stale, or it never sent one -- is failed with the reason by the next worker that looks
+(`fail_stale`); its point, known no better than before, is planned again. A result is read only
+from a finished trial with a whole point, so attributes half written by a killed worker are
+never taken for a result.
 
 The storage is SQLite (studies/NAME.db) unless `--storage` names another -- also with several
 workers on one machine: Optuna's journal file has no heartbeats, and a search writes a handful
 of rows per probe, seconds apart, which SQLite serializes without trouble. One thing SQLite does
-not do is lock the waiting trial a worker takes, so claims on a SQLite study hold a file lock
-beside it (benchmarks/scaleout.py measures both).
+not do is lock rows between a read and a write, so claims on a SQLite study, and the creation of
+its tables by two searches started together, hold a file lock beside it (NAME.db.lock;
+benchmarks/scaleout.py measures why).
 """
 
 from __future__ import annotations
@@ -39,7 +47,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
+import threading
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +59,17 @@ from fitfinder.search import Knowledge, Result
 from fitfinder.space import Point, Space
 
 METRICS = ("quality", "seconds_per_sample")
+
+
+MAX_NAME = 200  # studies/NAME.db.lock and results/NAME/ must stay under a file system's 255 bytes
+
+
+def check_name(name: str) -> None:
+    """A study name that can be a file name here, or one line saying why not (before anything is
+    written, and not as a --storage error the user never gave)."""
+    if len(name.encode()) > MAX_NAME:
+        raise UserError(f"study name {name[:40]!r}... is {len(name.encode())} bytes long, more than the "
+                        f"{MAX_NAME} a file name allows here; give a shorter one with --study NAME")
 
 
 def storage_url(name: str, studies_dir: Path, storage: str | None) -> str:
@@ -61,15 +83,23 @@ def storage_url(name: str, studies_dir: Path, storage: str | None) -> str:
 def heartbeat() -> tuple[int, int]:
     """(seconds between heartbeats, seconds of silence after which a trial is failed):
     FITFINDER_HEARTBEAT="10,30" by default; tests shorten it."""
-    import os
-
-    interval, _, grace = os.environ.get("FITFINDER_HEARTBEAT", "10,30").partition(",")
-    return int(interval), int(grace or 3 * int(interval))
+    value = os.environ.get("FITFINDER_HEARTBEAT", "10,30")
+    interval, _, grace = value.partition(",")
+    try:
+        interval_s = int(interval)
+        grace_s = int(grace) if grace else 3 * interval_s
+    except ValueError:
+        interval_s = grace_s = 0
+    if interval_s < 1 or grace_s <= interval_s:
+        raise UserError(f"FITFINDER_HEARTBEAT: {value[:40]!r} is not INTERVAL,GRACE in whole seconds with "
+                        "GRACE > INTERVAL >= 1, e.g. 10,30")
+    return interval_s, grace_s
 
 
 def storage(url: str):
-    """An Optuna RDB storage with heartbeats, a retry of trials whose worker died, and patience
-    for SQLite's lock when several workers write at once."""
+    """An Optuna RDB storage with heartbeats and patience for SQLite's lock when several workers
+    write at once. A trial whose worker died is failed by `fail_stale` and planned again, not
+    retried by Optuna's callback (a copy waiting in the queue would be a trial no plan asked for)."""
     import optuna
 
     import time
@@ -81,12 +111,11 @@ def storage(url: str):
     for attempt in range(5):
         try:
             return optuna.storages.RDBStorage(
-                url, engine_kwargs=engine, heartbeat_interval=interval, grace_period=grace,
-                heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1),
-            )
+                url, engine_kwargs=engine, heartbeat_interval=interval, grace_period=grace)
         except (IntegrityError, ProgrammingError):
-            # Workers starting together on an empty database race to create Optuna's tables:
-            # the loser sees them half made. A moment later they are all there.
+            # Workers starting together on an empty PostgreSQL database race to create Optuna's
+            # tables: the loser sees them half made. A moment later they are all there. (On SQLite
+            # `open_study` holds a file lock instead.)
             if attempt == 4:
                 raise
             time.sleep(0.5 * (attempt + 1))
@@ -105,28 +134,56 @@ def open_study(url: str, name: str, space: Space, setup: dict[str, Any]):
     warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
     signature = space_signature(space)
     try:
-        study = optuna.create_study(
-            storage=storage(url), study_name=name, load_if_exists=True, directions=["maximize", "minimize"],
-            sampler=optuna.samplers.TPESampler(seed=0),
-        )
+        with _sqlite_lock(url):  # two searches started together in a fresh folder: one creates, one waits
+            study = optuna.create_study(
+                storage=storage(url), study_name=name, load_if_exists=True, directions=["maximize", "minimize"],
+                sampler=optuna.samplers.TPESampler(seed=0),
+            )
+            stored = study.user_attrs.get("space")
+            if stored is None:
+                study.set_metric_names(list(METRICS))
+                study.set_user_attr("space", signature)
+                for key, value in setup.items():
+                    study.set_user_attr(key, value)
     except ImportError as exc:  # e.g. postgresql:// without its driver
         raise UserError(f"--storage {url}: {exc}; for PostgreSQL: pip install 'fitfinder[postgres]'") from None
     except Exception as exc:  # noqa: BLE001 - a storage that cannot be reached is bad input
-        if type(exc).__module__.startswith("sqlalchemy"):
-            raise UserError(f"--storage {url}: cannot open it: {str(exc).splitlines()[0]}") from None
+        if _is_storage_error(exc):
+            raise UserError(f"study {name!r} in {url}: cannot open it: {_first_line(exc)}") from None
         raise
-    stored = study.user_attrs.get("space")
-    if stored is None:
-        study.set_metric_names(list(METRICS))
-        study.set_user_attr("space", signature)
-        for key, value in setup.items():
-            study.set_user_attr(key, value)
-    elif stored != signature or study.user_attrs.get("budget_bytes") != setup.get("budget_bytes"):
+    if stored is not None and (stored != signature or study.user_attrs.get("budget_bytes") != setup.get("budget_bytes")):
         raise UserError(
             f"study {name!r} in {url} was made for a different job or budget; "
             f"use --study with a new name, or delete the study to start over"
         )
     return study
+
+
+def _is_storage_error(exc: BaseException) -> bool:
+    import optuna
+
+    return (isinstance(exc, optuna.exceptions.StorageInternalError)
+            or type(exc).__module__.startswith("sqlalchemy") or isinstance(exc, OSError))
+
+
+def _first_line(exc: BaseException) -> str:
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    lines = str(getattr(cause, "orig", None) or cause).strip().splitlines()
+    return (lines[0] if lines else type(cause).__name__)[:300]
+
+
+@contextmanager
+def writable(name: str, url: str):
+    """Turn a study that cannot be written any more (a full or read-only disk, mid-run) into one
+    line. Every write is one transaction, so what was written before stays readable, and the
+    trial left RUNNING is failed and planned again by the next run."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - only storage failures are turned into a line
+        if not _is_storage_error(exc):
+            raise
+        raise UserError(f"study {name!r} in {url}: cannot write it any more: {_first_line(exc)}; make room or "
+                        "fix its permissions, then run the same command to resume") from None
 
 
 def space_signature(space: Space) -> dict[str, list]:
@@ -148,19 +205,33 @@ def load_knowledge(study, space: Space, limit_bytes: int | None) -> Knowledge:
 
 
 def read(study, space: Space, limit_bytes: int | None) -> tuple[Knowledge, list[Point]]:
-    """The finished probes as Knowledge, and the points being probed or waiting for a worker."""
+    """The finished probes as Knowledge, and the points being probed.
+
+    Only finished trials with a whole point of this space are results: a worker killed while
+    writing leaves its trial RUNNING (failed later by `fail_stale`), never half a result."""
     from optuna.trial import TrialState
 
     known = Knowledge(space, limit_bytes)
     pending = []
     for trial in study.get_trials(deepcopy=False):
-        if trial.state in (TrialState.RUNNING, TrialState.WAITING):
-            point = params_of(trial)
-            if space.contains(point):  # a trial just asked for may still be writing its params
-                pending.append(point)
-        elif trial.state.is_finished() and trial.user_attrs.get("status") in PROBED:
-            known.add(result_from_trial(trial))
+        point = params_of(trial)
+        if not space.contains(point):
+            continue
+        if trial.state == TrialState.RUNNING:
+            pending.append(point)
+        elif _finished_as_recorded(trial):
+            known.add(result_from_trial(trial, point))
     return known, pending
+
+
+def _finished_as_recorded(trial) -> bool:
+    """A probe's result, in the state `record` gives it (an abandoned trial is neither)."""
+    from optuna.trial import TrialState
+
+    status = trial.user_attrs.get("status")
+    expected = {"ok": (TrialState.COMPLETE,), "oom": (TrialState.PRUNED,),
+                "error": (TrialState.FAIL,), "timeout": (TrialState.FAIL,)}.get(status, ())
+    return trial.state in expected
 
 
 def probes_in(study) -> int:
@@ -169,13 +240,13 @@ def probes_in(study) -> int:
     from optuna.trial import TrialState
 
     return sum(1 for t in study.get_trials(deepcopy=False)
-               if (t.user_attrs.get("status") in PROBED and not t.user_attrs.get("estimated"))
-               or t.state == TrialState.RUNNING)
+               if (t.user_attrs.get("status") in PROBED and not t.user_attrs.get("estimated")
+                   and t.state.is_finished()) or t.state == TrialState.RUNNING)
 
 
-def result_from_trial(trial) -> Result:
+def result_from_trial(trial, point: Point | None = None) -> Result:
     attrs = trial.user_attrs
-    return Result(trial=trial.number, point=dict(attrs["point"]), status=attrs["status"],
+    return Result(trial=trial.number, point=dict(point or params_of(trial)), status=attrs["status"],
                   peak_bytes=attrs.get("peak_bytes"), seconds_per_sample=attrs.get("seconds_per_sample"),
                   phase=attrs.get("phase"), error=attrs.get("error"), phases=dict(attrs.get("phases") or {}),
                   confirm=attrs.get("purpose") == "confirm",
@@ -185,54 +256,77 @@ def result_from_trial(trial) -> Result:
 
 def decided_keys(study, space: Space) -> set[tuple]:
     """Points already recorded as decided, so a resumed search does not record them twice."""
-    return {space.key(t.user_attrs["point"]) for t in study.get_trials(deepcopy=False)
-            if t.user_attrs.get("status") == "decided"}
+    return {space.key(point) for t in study.get_trials(deepcopy=False)
+            if t.user_attrs.get("status") == "decided" and space.contains(point := params_of(t))}
 
 
 def claim(study, space: Space, point: Point, purpose: str = ""):
-    """Enqueue the planned point and take the oldest waiting trial: this worker's point, one
-    planned by another worker, or a retry. None when that trial turns out to be a duplicate."""
-    with _claim_lock(study):
-        study.enqueue_trial(point, user_attrs={"purpose": purpose}, skip_if_exists=False)
-        return _take(study, space)
+    """The trial of a planned point, owned by this process; None when it turns out to duplicate a
+    trial another worker planned at the same moment.
 
-
-def claim_waiting(study, space: Space):
-    """Take a waiting trial (a retry, or a point its planner left), or None if there is none."""
+    The trial is born RUNNING with its point, purpose and owner in one transaction, and gets its
+    first heartbeat at once: from its first instant a reader can tell what it probes and whether
+    its worker still lives.
+    """
+    import optuna
     from optuna.trial import TrialState
 
     with _claim_lock(study):
-        if not study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
-            return None
-        return _take(study, space)
-
-
-def _take(study, space: Space):
-    trial = study.ask(distributions(space))
-    if "purpose" not in trial.user_attrs:  # nothing was waiting: the sampler made this one up
-        trial.set_user_attr("error", "nothing was waiting any more")
-        study.tell(trial, state=fail_state())
-        return None
-    twin = _earlier_twin(study, trial)
+        template = optuna.trial.FrozenTrial(
+            number=-1, state=TrialState.RUNNING, value=None, values=None, datetime_start=datetime.now(),
+            datetime_complete=None, params=dict(point), distributions=distributions(space),
+            user_attrs={"purpose": purpose, **owner()}, system_attrs=_retry_of(study, point, purpose),
+            intermediate_values={}, trial_id=-1)
+        trial_id = study._storage.create_new_trial(study._study_id, template_trial=template)
+        study._storage.record_heartbeat(trial_id)
+        trial = optuna.trial.Trial(study, trial_id)
+        twin = _earlier_twin(study, trial)
     if twin is not None:
         trial.set_user_attr("error", f"duplicate of trial {twin}, planned by another worker at the same time")
-        study.tell(trial, state=fail_state())
+        study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
         return None
     return trial
+
+
+def owner() -> dict[str, Any]:
+    """This process as a trial's owner: where to look whether it still lives."""
+    host = socket.gethostname()
+    return {"host": host, "pid": os.getpid(), "worker": f"{host}:{os.getpid()}"}
+
+
+def _retry_of(study, point: Point, purpose: str) -> dict[str, int]:
+    """{"failed_trial": N} when an earlier trial of this point and stage failed (as Optuna marks
+    its retries), so the dashboard links the two; {} otherwise."""
+    from optuna.trial import TrialState
+
+    failed = [t.number for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+              if params_of(t) == point and t.user_attrs.get("purpose") == purpose
+              and t.user_attrs.get("status") in ("error", "timeout", "abandoned")]  # not a duplicate
+    return {"failed_trial": failed[-1]} if failed else {}
 
 
 @contextmanager
 def _claim_lock(study):
     """Serialize claims on a SQLite study across the processes of this machine.
 
-    Optuna hands a waiting trial to one worker by reading that it waits, then marking it
-    running; PostgreSQL locks the row in between, SQLite does not (measured: two workers took
-    the same trial), so on SQLite a file lock beside the database makes the claim atomic.
+    Two workers that planned the same point at the same moment must see each other's trial to
+    tell which one is the duplicate; SQLite does not lock a row between the read and the write
+    (measured: two workers took the same trial), so on SQLite a file lock beside the database
+    makes the claim atomic. PostgreSQL locks the rows itself.
     """
     backend = getattr(study._storage, "_backend", study._storage)  # under Optuna's cache
     url = str(getattr(backend, "url", ""))
     # FITFINDER_SQLITE_CLAIM_LOCK=0 turns the lock off, only so benchmarks/scaleout.py can show why it is on.
-    if not url.startswith("sqlite:///") or os.environ.get("FITFINDER_SQLITE_CLAIM_LOCK") == "0":
+    if os.environ.get("FITFINDER_SQLITE_CLAIM_LOCK") == "0":
+        url = ""
+    with _sqlite_lock(url):
+        yield
+
+
+@contextmanager
+def _sqlite_lock(url: str):
+    """An exclusive file lock beside a SQLite database (NAME.db.lock); nothing for other storages."""
+    if not url.startswith("sqlite:///"):
         yield
         return
     import fcntl
@@ -259,22 +353,110 @@ def _earlier_twin(study, trial) -> int | None:
 
 
 def params_of(trial) -> dict:
-    """A trial's point: its parameters, or for a trial still waiting, the ones it was enqueued with."""
-    return dict(trial.params or trial.system_attrs.get("fixed_params") or {})
+    """A trial's point: the parameters it was made with (a trial Optuna enqueued keeps them in
+    `fixed_params` until a worker asks for it)."""
+    return dict(trial.system_attrs.get("fixed_params") or trial.params or {})
 
 
+@contextmanager
 def heartbeat_while(study, trial):
-    """A context that records the trial's heartbeat while its probe runs."""
-    from optuna.storages._heartbeat import get_heartbeat_thread
+    """Record the trial's heartbeat every interval while its probe runs. A failed write is left
+    for the result's own write to report: a heartbeat thread must not print a traceback."""
+    interval, _ = heartbeat()
+    stop = threading.Event()
 
-    return get_heartbeat_thread(trial._trial_id, study._storage)
+    def beat() -> None:
+        while not stop.wait(interval):
+            try:
+                study._storage.record_heartbeat(trial._trial_id)
+            except Exception:  # noqa: BLE001 - see the docstring
+                pass
+
+    thread = threading.Thread(target=beat, name=f"heartbeat-{trial.number}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
-def fail_stale(study) -> None:
-    """Fail the trials whose worker stopped sending heartbeats; each is retried once."""
+def fail_stale(study) -> list[int]:
+    """Fail the RUNNING trials whose worker is gone, each with the reason why it is taken for
+    gone; their points are planned again. Returns their numbers."""
+    from optuna.trial import TrialState
+
+    _, grace = heartbeat()
+    silence = _seconds_since_heartbeat(study)
+    gone = []
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        reason = _why_gone(trial, silence.get(trial._trial_id), grace)
+        if reason is not None:
+            _abandon(study, trial, reason)
+            gone.append(trial.number)
+    return gone
+
+
+def _why_gone(trial, silent_s: float | None, grace: int) -> str | None:
+    """Why the trial's worker is taken for gone, or None while it may still live."""
+    attrs = trial.user_attrs
+    who = attrs.get("worker") or "its worker"
+    if attrs.get("host") == socket.gethostname() and isinstance(attrs.get("pid"), int) \
+            and not _process_lives(attrs["pid"]):
+        return f"abandoned: {who} is gone (no process {attrs['pid']} on this machine)"
+    if silent_s is not None and silent_s > grace:
+        return f"abandoned: no heartbeat from {who} for {silent_s:.0f} s (grace {grace} s)"
+    if silent_s is None:
+        started = trial.datetime_start or datetime.now()
+        quiet = (datetime.now() - started).total_seconds()
+        if quiet > grace:
+            return f"abandoned: {who} never sent a heartbeat in the {quiet:.0f} s since the trial started"
+    return None
+
+
+def _process_lives(pid: int) -> bool:
+    """Whether process `pid` exists on this machine and is not a zombie waiting to be reaped."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc: the signal said it exists
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def _seconds_since_heartbeat(study) -> dict[int, float]:
+    """Seconds since each trial's last heartbeat, by trial id, on the database's own clock (the
+    clock the heartbeats were written with)."""
+    import sqlalchemy
+    from optuna.storages._rdb import models
+
+    backend = getattr(study._storage, "_backend", study._storage)
+    session = backend.scoped_session()
+    try:
+        now = session.execute(sqlalchemy.func.now()).scalar().replace(tzinfo=None)
+        rows = session.query(models.TrialHeartbeatModel.trial_id, models.TrialHeartbeatModel.heartbeat).all()
+        return {trial_id: (now - beat.replace(tzinfo=None)).total_seconds() for trial_id, beat in rows}
+    finally:
+        session.close()
+
+
+def _abandon(study, trial, reason: str) -> None:
+    """Fail a trial whose worker is gone. Its status is changed first: a trial killed while its
+    result was being written may already say "ok", and a failed trial must never read as one."""
     import optuna
+    from optuna.trial import TrialState
 
-    optuna.storages.fail_stale_trials(study)
+    try:
+        study._storage.set_trial_user_attr(trial._trial_id, "status", "abandoned")
+        study._storage.set_trial_user_attr(trial._trial_id, "error", reason)
+        study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
+    except optuna.exceptions.UpdateFinishedTrialError:
+        pass  # another worker failed it first, or its own worker finished it after all
 
 
 def fail_state():
@@ -302,7 +484,8 @@ def record(study, trial, space: Space, result: Result, probe_result: dict[str, A
     """Write the probe's facts as user attributes and finish the trial in the matching state.
 
     False when the study had already given the trial up (its heartbeat went stale): the result
-    is dropped, and the retry stands.
+    is dropped, and the point is planned again. `status` is written last and the state after it,
+    so a worker killed in between leaves a RUNNING trial with no status, which `fail_stale` fails.
     """
     import optuna
 
@@ -316,10 +499,11 @@ def record(study, trial, space: Space, result: Result, probe_result: dict[str, A
 def _record(study, trial, space, result, probe_result, limit_bytes, purpose) -> None:
     from optuna.trial import TrialState
 
+    from fitfinder import faults
+
     attrs = {
         "purpose": purpose,
         "point": result.point,
-        "status": result.status,
         "phase": result.phase,
         "peak_bytes": result.peak_bytes,
         "limit_bytes": limit_bytes,
@@ -334,8 +518,11 @@ def _record(study, trial, space, result, probe_result, limit_bytes, purpose) -> 
         "verdict": result.verdict,
         "failed_phases": list(result.failed_phases),
         "estimated": bool(probe_result.get("estimated")),
+        "status": result.status,
     }
-    for key, value in attrs.items():
+    for index, (key, value) in enumerate(attrs.items()):
+        if index == len(attrs) // 2:
+            faults.kill_if_at("recording", trial.number)
         trial.set_user_attr(key, _jsonable(value))
     if result.status == "ok":
         over = 0.0 if limit_bytes is None else result.peak_bytes / limit_bytes - 1.0

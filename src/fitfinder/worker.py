@@ -11,7 +11,6 @@ by running the same command.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -27,7 +26,7 @@ from fitfinder.search import Result, Step
 
 def work(job, space, study, options, limit: int | None, out) -> None:
     """Probe the study's planned points until the plan is done or the trial cap is reached."""
-    from fitfinder import estimate, probe, study as studies
+    from fitfinder import estimate, faults, probe, study as studies
 
     settings = job.settings
     log_dir = Path(options.results_dir) / options.study_name / "probes"
@@ -36,7 +35,7 @@ def work(job, space, study, options, limit: int | None, out) -> None:
     _refuse_a_different_card(study, card, options.study_name)
     runner = probe.ProbeRunner(timeout_s=settings.probe_timeout)
     bench = _Bench(runner, estimate.prescreen_for(options.prescreen, runner, settings.vram_bytes, options.meter,
-                                                  options.gpu), search._faults_from_env(), log_dir, card)
+                                                  options.gpu), faults.probe_faults(), log_dir, card)
     pause = 0.5  # while others probe what the plan waits for: short, probes can be too
     with out.progress(settings.trials, "probing"):
         while True:
@@ -50,14 +49,13 @@ def work(job, space, study, options, limit: int | None, out) -> None:
             if step.point is None:
                 if not pending:
                     return
-                trial = studies.claim_waiting(study, space)  # a retry, or a point nobody took
-                if trial is None:
-                    time.sleep(pause)  # others are probing what the plan waits for
-                    continue
-            else:
-                trial = studies.claim(study, space, step.point, step.purpose)
+                time.sleep(pause)  # others are probing what the plan waits for
+                continue
+            faults.kill_if_at("planned", len(study.get_trials(deepcopy=False)))
+            trial = studies.claim(study, space, step.point, step.purpose)
             if trial is not None:
-                _probe(trial, job, space, study, options, limit, bench, out)
+                first_attempt = known.failures_in_a_row(step.point) == 0  # not a retry
+                _probe(trial, job, space, study, options, limit, bench, first_attempt, out)
 
 
 @dataclass
@@ -72,34 +70,50 @@ class _Bench:
     card: dict
 
 
-def _probe(trial, job, space, study, options, limit, bench: _Bench, out) -> None:
-    """Probe the claimed trial's point (maybe planned by another worker) and record it; a point
-    the pre-screen estimates far over the budget is recorded as its predicted OOM instead."""
-    from fitfinder import probe, study as studies
+def _probe(trial, job, space, study, options, limit, bench: _Bench, first_attempt: bool, out) -> None:
+    """Probe the claimed trial's point and record it; a point the pre-screen estimates far over
+    the budget is recorded as its predicted OOM instead."""
+    from fitfinder import faults, probe, study as studies
 
+    faults.kill_if_at("claimed", trial.number)
     purpose = trial.user_attrs.get("purpose", "")
     step = Step(dict(trial.params), purpose, search.CONFIRM_FACTOR if purpose == "confirm" else 1)
     settings = job.settings
     request = probe.request_for(space.apply(job, step.point), settings.probe_steps * step.steps_factor,
                                 options.meter, settings.vram_bytes, options.gpu)
-    if trial.number in bench.faults:
-        request["fault"] = bench.faults[trial.number]
-    trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
+    fault = faults.probe_fault(bench.faults, trial.number, first_attempt)
+    if fault:
+        request["fault"] = fault
     trial.set_user_attr("card", bench.card["name"])
     trial.set_user_attr("card_total_bytes", bench.card["total_bytes"])
+    faults.kill_if_at("beating", trial.number)
     try:
         with studies.heartbeat_while(study, trial):
             outcome = bench.screen.outcome(request, purpose) if bench.screen else None
             if outcome is None:
+                _kill_while_probing(trial.number)
                 outcome = bench.runner.run(request, bench.log_dir / f"trial-{trial.number:04d}.log")
     except KeyboardInterrupt:
+        trial.set_user_attr("error", "interrupted: the search was stopped while this probe ran")
         study.tell(trial, state=studies.fail_state(), skip_if_finished=True)
         raise
+    faults.kill_if_at("probed", trial.number)
     result = search.result_from_probe(trial.number, step, outcome)
     judged = search.Knowledge(space, limit).add(result)
     if studies.record(study, trial, space, judged, outcome, limit, purpose):
+        faults.kill_if_at("recorded", trial.number)
         out.trial(space, judged, settings.vram_bytes, purpose)
         out.advance()
+
+
+def _kill_while_probing(trial_number: int) -> None:
+    """FITFINDER_KILL_AT=probing:N: SIGKILL this process a moment after trial N's probe started."""
+    from fitfinder import faults
+
+    if faults.kill_point() == ("probing", trial_number):
+        timer = threading.Timer(0.3, faults.kill_if_at, args=("probing", trial_number))
+        timer.daemon = True
+        timer.start()
 
 
 def _record_decided(study, space, decided: list[tuple[dict, Result]]) -> None:
