@@ -194,7 +194,7 @@ def estimate(
     limit_bytes, phases (name -> predicted peak bytes), phase_stats, overhead.
     """
     from fitfinder import estimate as estimating
-    from fitfinder import overhead, probe as probing
+    from fitfinder import overhead
     from fitfinder.output import Output
 
     out = Output(json_output)
@@ -203,7 +203,7 @@ def estimate(
         raise UserError("--card and --no-overhead contradict each other: give one of them")
     model = overhead.GpuOverhead.none() if no_overhead else (
         overhead.for_card(card) if card is not None else overhead.GpuOverhead())
-    runner = probing.ProbeRunner(job.settings.probe_timeout)
+    runner = estimating.InProcess(job.settings.probe_timeout)
     if search_points:
         _estimate_search(job, runner, model, out)
         return
