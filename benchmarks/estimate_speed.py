@@ -12,7 +12,8 @@ the other in fresh processes so that a busy machine slows all of them alike:
              then a child that estimates);
 - search:    `fitfinder estimate JOB --vram 24GiB --search` (every round with --search-rounds).
 
-Wall and CPU seconds of each process and its children, and the largest max RSS among them.
+Wall and CPU seconds of each process and its children, and the largest max RSS among them (the
+probe server of "before" is never waited for, so its CPU time is not counted: n/a).
 The figures are medians over the rounds; the ratios are the medians' ratios.
 
     python benchmarks/estimate_speed.py [--job examples/aitk/train_lora_flux_24gb.yaml] [--rounds 3]
@@ -105,7 +106,8 @@ def main() -> None:
         wall, cpu, rss = (median(rows, name, k) for k in ("wall", "cpu", "max_rss"))
         summary[name] = {"wall": round(wall, 2), "cpu": round(cpu, 2), "max_rss_bytes": int(rss),
                          "x_imports": round(wall / imports, 2)}
-        print(f"{label[:33]:<34}{wall:>7.1f}s{cpu:>7.1f}s{rss / 2**20:>7.0f}MiB{wall / imports:>10.2f}x")
+        shown_cpu = f"{cpu:>7.1f}s" if name != "before" else "     n/a"  # the probe server is not waited for
+        print(f"{label[:33]:<34}{wall:>7.1f}s{shown_cpu}{rss / 2**20:>7.0f}MiB{wall / imports:>10.2f}x")
     estimate = summary["estimate"]["wall"]
     print(f"\nthe command: {estimate / imports:.2f}x the imports (target 1.5x), before: "
           f"{summary['before']['wall'] / imports:.2f}x")
