@@ -82,3 +82,23 @@ def test_the_band_must_be_below_one():
     with pytest.raises(ValueError) as raised:
         search.Guide(estimates(), 1.0)
     assert str(raised.value) == "the estimate's error band must be in [0, 1) but got 1.0"
+
+
+@pytest.mark.slow
+def test_the_guided_demo_search_probes_the_winner_and_its_proof_only(tmp_path):
+    import optuna
+
+    from tests.conftest import DEMO, run_cli
+
+    done = run_cli("search", str(DEMO), "--guided", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    trials = [line.split("  ok")[0].split("  oom")[0] for line in done.stdout.splitlines() if line.startswith("trial")]
+    assert trials == ["trial   0  confirm   buckets=[256,384,512] rank=16 gc=on batch=1",
+                      "trial   1  proof     buckets=[256,384,512] rank=32 gc=on batch=1"]
+    assert "  oom in train  " in done.stdout.splitlines()[2]
+    assert "best: buckets=[256,384,512] rank=16 gc=on batch=1  peak 12.3 MiB of 13.2 MiB  (2 probes)" in done.stdout
+    study = optuna.load_study(study_name="demo_flux_lora", storage=f"sqlite:///{tmp_path}/studies/demo_flux_lora.db")
+    for trial in study.trials:  # the estimate matches the sim meter: no disagreement, recorded as such
+        assert trial.user_attrs["estimate_error"] == 0.0 and trial.user_attrs["estimate_disagrees"] is False
+        assert set(trial.user_attrs["estimated_phases"]) == {"load", "text_encoder", "latents", "sample", "train",
+                                                            "last_sample"}

@@ -72,6 +72,10 @@ def search(
         None, "--prescreen/--no-prescreen",
         help="Estimate each point first (fake tensors, seconds) and decide without a probe those estimated at "
              "1.25 x the budget or more [on with --gpu, off with the sim meter]."),
+    guided: Optional[bool] = typer.Option(
+        None, "--guided/--no-guided",
+        help="Plan on estimates and probe only where they cannot decide (near the limit), the speed "
+             "settings' timings and the winner's proof [on with --gpu, off with the sim meter]."),
     json_output: bool = JsonOpt,
 ) -> None:
     """Search the best configuration that fits; export it as results/NAME/best.yaml."""
@@ -102,7 +106,7 @@ def search(
                                       studies_dir=studies_dir, results_dir=results_dir, workers=workers,
                                       gpus=tuple(gpus) if meter == "cuda" and len(gpus) > 1 else (),
                                       worker=worker, budget_is_card=meter == "cuda" and not budget_given,
-                                      prescreen=prescreen)
+                                      prescreen=prescreen, guided=guided)
     summary = searching.run(job, options, out)
     if summary is None:  # a worker: the search that launched it reports
         return

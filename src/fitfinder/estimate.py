@@ -240,6 +240,31 @@ class Prescreen:
                 "meter": result.get("meter"), "wall_seconds": result.get("wall_seconds")}
 
 
+# How far a probe's peak may lie from its estimate, where the estimate-guided search starts
+# (search.Guide; it widens past any disagreement a probe shows). On the CPU the estimate matches
+# the sim meter to the byte (benchmarks/estimate_accuracy.py holds it to 2%); on a card it misses
+# what it does not model, a few percent, until scripts/gpu_check.sh measures it: 10%.
+GUIDE_BAND = {"sim": 0.02, "cuda": 0.10}
+_guides: dict[tuple, Any] = {}
+
+
+def guide_for(enabled: bool | None, job, meter: str, gpu: int = 0, runner=None):
+    """The estimates that guide a search (search.plan_guided), or None: on by default with the
+    cuda meter, whose probes cost minutes. One per job and card in a process, so that the loop
+    and the search's end share what was estimated; they run from `runner` (a probe server)."""
+    if not (meter == "cuda" if enabled is None else enabled):
+        return None
+    key = (str(job.source), meter, gpu, job.settings.vram_bytes)
+    if key not in _guides:
+        from fitfinder import overhead, probe, search
+
+        runner = runner or probe.ProbeRunner(job.settings.probe_timeout)
+        model = overhead.for_gpu(gpu) if meter == "cuda" else GpuOverhead.none()
+        estimator = Estimator(job, runner, model)
+        _guides[key] = search.Guide(estimator.phases_or_none, GUIDE_BAND[meter])
+    return _guides[key]
+
+
 def prescreen_for(enabled: bool | None, runner, budget_bytes: int | None, meter: str, gpu: int = 0) -> Prescreen | None:
     """The search's pre-screen: on by default with the cuda meter (whose probes cost minutes),
     off by default with the sim meter (whose probes cost what an estimate costs)."""
@@ -297,6 +322,7 @@ class Estimator:
         self.runs = 0  # estimates actually run
         self.recalled = 0  # points answered from the phases of others
         self._phases: dict[tuple, dict[str, Any]] = {}  # (phase, its knobs' values) -> phase stats
+        self._failed: set[tuple] = set()
 
     def of(self, point) -> Estimate:
         stats = self._recall(point)
@@ -310,6 +336,17 @@ class Estimator:
         for phase, phase_stats in found.phase_stats.items():
             self._phases[self._phase_key(phase, point)] = phase_stats
         return found
+
+    def phases_or_none(self, point) -> dict[str, int] | None:
+        """A point's predicted peak per phase, or None when its estimate fails (asked once)."""
+        key = self.space.key(point)
+        if key in self._failed:
+            return None
+        try:
+            return self.of(point).phases
+        except RunFailed:
+            self._failed.add(key)
+            return None
 
     def _recall(self, point) -> dict[str, Any] | None:
         stats = {}

@@ -207,6 +207,14 @@ def plan_around(space: Space, known: Knowledge, pending: list[Point], depth: int
     return Step(None)
 
 
+def next_step(space: Space, known: Knowledge, pending: list[Point], guide=None) -> Step:
+    """What one worker probes next: guided by estimates when it is alone (plan_guided), else
+    around the others' pending points (plan_around, which does not speculate on estimates)."""
+    if guide is not None and not pending:
+        return plan_guided(space, known, guide)
+    return plan_around(space, known, pending)
+
+
 def _among(space: Space, point: Point, points: list[Point]) -> bool:
     key = space.key(point)
     return any(space.key(p) == key for p in points)
@@ -370,6 +378,15 @@ class Guide:
             errors.append(max(0.0, budget / estimated[result.phase] - 1))  # it ran out above the budget
         return max(errors, default=None)
 
+    def disagreement(self, result: Result) -> dict[str, Any]:
+        """A probe against its estimate, as trial user attributes: the relative error, and
+        whether it passed the band (each such disagreement widens the band)."""
+        error = self.error(result)
+        if error is None:
+            return {}
+        return {"estimate_error": round(error, 4), "estimate_disagrees": error > self.band,
+                "estimated_phases": self.phases(result.point)}
+
     def band_for(self, known: Knowledge) -> float:
         """The band, widened past the largest disagreement a probe has shown."""
         worst = max((e for e in map(self.error, known.results) if e is not None), default=0.0)
@@ -469,6 +486,7 @@ class SearchOptions:
     worker: bool = False  # this process is one of the workers a search launched
     budget_is_card: bool = False  # no --vram: the budget is the card's memory
     prescreen: bool | None = None  # estimate first, decide points well over the budget (None: with cuda)
+    guided: bool | None = None  # plan on estimates, probe where they cannot decide (None: with cuda)
 
 
 @dataclass
@@ -553,7 +571,10 @@ def run(job, options: SearchOptions, out) -> SearchSummary | None:
     else:
         workers.work(job, space, study, options, limit, out)
     known, pending = studies.read(study, space, limit)
-    proven = plan(space, known).point is None and not pending
+    from fitfinder import estimate
+
+    guide = estimate.guide_for(options.guided, job, options.meter, options.gpu)
+    proven = next_step(space, known, pending, guide).point is None and not pending
     return _finish(job, space, study, known, options, settings, url, studies.probes_in(study), proven,
                    budget, limit, out)
 
@@ -581,7 +602,8 @@ def result_from_probe(trial: int, step: Step, outcome: dict[str, Any]) -> Result
                   phase=outcome.get("phase"), error=outcome.get("error"),
                   phases=dict(outcome.get("phases") or {}), confirm=step.purpose == "confirm",
                   extra={"seconds_per_step": per_step, "purpose": step.purpose,
-                         "wall_seconds": outcome.get("wall_seconds"), "estimated": bool(outcome.get("estimated"))})
+                         "wall_seconds": outcome.get("wall_seconds"), "estimated": bool(outcome.get("estimated")),
+                         "budget_bytes": outcome.get("budget_bytes")})
 
 
 def _finish(job, space, study, known, options, settings, url, probes_run, proven, budget, limit, out) -> SearchSummary:
