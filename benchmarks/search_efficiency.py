@@ -382,8 +382,10 @@ class ModelledEstimates:
     def __init__(self, space, grid: dict, scenario: str):
         self.space, self.grid, self.scenario = space, grid, scenario
         self.bias = random.Random(f"bias:{scenario}").uniform(-ESTIMATE_BIAS, ESTIMATE_BIAS)
+        self.asked: set[tuple] = set()  # the points estimated: on a card, seconds of CPU each
 
     def __call__(self, point: dict) -> dict[str, int] | None:
+        self.asked.add(self.space.key(point))
         record = self.grid[self.space.key(point)]
         if record["status"] != "ok":
             return None
@@ -396,13 +398,15 @@ class ModelledEstimates:
 def run_guided(space, lookup: Lookup) -> dict | None:
     """fitfinder's plan on estimates (search.plan_guided): probes only where they cannot decide."""
     known = search.Knowledge(space, lookup.limit)
-    guide = search.Guide(ModelledEstimates(space, lookup.grid, lookup.scenario), BAND)
+    estimates = ModelledEstimates(space, lookup.grid, lookup.scenario)
+    guide = search.Guide(estimates, BAND)
 
     def probe_step(step):
         answer = lookup.outcome(step.point, step.steps_factor, fresh=step.purpose == "confirm")
         return known.add(search.result_from_probe(lookup.probes, step, answer))
 
     search.drive(space, known, probe_step, 0, TRIAL_CAP, planner=lambda s, k: search.plan_guided(s, k, guide))
+    lookup.estimates = len(estimates.asked)
     winner = search.best(space, known)
     return winner.point if winner else None
 
@@ -468,6 +472,7 @@ def main() -> None:
                 totals[strategy]["probes"] += lookup.probes
                 totals[strategy]["probe_seconds"] += lookup.seconds
                 totals[strategy]["per_scenario"].append(lookup.probes)
+                totals[strategy]["estimates"] = totals[strategy].get("estimates", 0) + getattr(lookup, "estimates", 0)
                 row[strategy] = f"{lookup.probes}{'' if found else '*'}"
             rows.append(row)
     _print(rows, totals, count, mismatches, args.verify)
@@ -501,7 +506,8 @@ def _print(rows, totals, count, mismatches, verified) -> None:
                   f"median {counts[len(counts) // 2] if len(counts) % 2 else (counts[len(counts) // 2 - 1] + counts[len(counts) // 2]) / 2:g} "
                   f"per scenario, at most {counts[-1]}")
     if "guided" in totals:
-        print(f"(guided: each phase's estimate = true peak x a seeded factor within +-{ESTIMATE_ERROR:.0%} "
+        print(f"(guided: {totals['guided']['estimates']} points estimated in all; "
+              f"each phase's estimate = true peak x a seeded factor within +-{ESTIMATE_ERROR:.0%} "
               f"x a per-scenario bias within +-{ESTIMATE_BIAS:.0%}; band starts at {BAND:.1%}; biases: "
               + ", ".join(f"{row['bias']:+.1%}" for row in rows) + ")")
     if verified:
