@@ -419,9 +419,10 @@ def plan_guided(space: Space, known: Knowledge, guide: Guide) -> Step:
 
     Each point the plan asks for is predicted first (Guide.predict); a prediction joins the
     plan's knowledge as a result and the plan goes on. A probe is asked for: where the estimate
-    is within its band of the limit; for the seconds per sample of a speed setting predicted to
-    fit (probed with the confirmation's steps, so that the fastest is confirmed by its own
-    probe); the confirmation; and the proof of the winner, each quality knob's next level up
+    is within its band of the limit (a speed setting, at the best quality, with the
+    confirmation's steps: if it fits it may be the winner); for the seconds per sample of a speed
+    setting predicted to fit (also with the confirmation's steps, so that the fastest is
+    confirmed by its own probe); the confirmation; and the proof of the winner, each quality knob's next level up
     (as `explain` names it) shown not to fit by a probe, or by dominance from one. Pure, like
     `plan`: the predictions are made again from `known` each time.
     """
@@ -438,6 +439,8 @@ def plan_guided(space: Space, known: Knowledge, guide: Guide) -> Step:
             return Step(step.point, "confirm", CONFIRM_FACTOR)
         predicted = guide.predict(space, step.point, known.limit_bytes, band)
         if predicted is None or _contradicted(space, known, predicted):
+            if step.purpose == "speed":  # at the best quality: if it fits, it may be the winner
+                return Step(step.point, "confirm", CONFIRM_FACTOR)
             return Step(step.point, step.purpose)
         view.add(predicted)
 
