@@ -52,6 +52,13 @@ def test_guided_by_estimates_with_their_error_it_finds_the_optimum_with_few_prob
     assert len(steps) <= 8  # the plan without estimates: up to 20
 
 
+def test_nothing_fits_is_proven_by_a_probe_of_the_lightest_point():
+    space = make_space()
+    steps, known, proven = run_guided(space, 5 * MiB, search.Guide(estimates(), 0.05))
+    assert proven and search.best(space, known) is None
+    assert steps == [("proof", space.lightest())]
+
+
 def test_a_fitting_job_is_one_probe_its_confirmation():
     space = make_space()
     steps, _, _ = run_guided(space, 100 * MiB, search.Guide(estimates(), 0.05))

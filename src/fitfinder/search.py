@@ -453,10 +453,12 @@ def _contradicted(space: Space, known: Knowledge, predicted: Result) -> bool:
 
 
 def _proof_step(space: Space, known: Knowledge, view: Knowledge) -> Step:
-    """A probe of the winner's next level up on a quality knob not yet ruled out by a probe."""
+    """A probe of the winner's next level up on a quality knob not yet ruled out by a probe; with
+    no winner, of the lightest point (that nothing fits is an answer too, and wants its proof)."""
     winner = best(space, view)
     if winner is None:
-        return Step(None)
+        lightest = space.lightest()
+        return Step(None) if known.state(lightest) == NOFIT else Step(lightest, "proof")
     for row in explain(space, view, winner.point):
         knob = space.by_name[row["knob"]]
         if knob.role != "quality" or row["verdict"] != "given up":
