@@ -171,8 +171,8 @@ def overhead(record: dict) -> float:
 class Lookup:
     """A strategy's window on the grid: answers points, counts probes and probe-seconds."""
 
-    def __init__(self, space, grid: dict, budget: int):
-        self.space, self.grid, self.budget = space, grid, budget
+    def __init__(self, space, grid: dict, budget: int, scenario: str = ""):
+        self.space, self.grid, self.budget, self.scenario = space, grid, budget, scenario
         self.limit = int(budget * (1 - MARGIN))
         self.probes, self.seconds, self.seen = 0, 0.0, {}
 
@@ -368,8 +368,51 @@ def _seed_escalations(space):
             _step(space, "sample_frames", +1), _step(space, "batch", +1), _step(space, "frames", +1)]
 
 
+# -- fitfinder guided by estimates, their error modelled ----------------------------------------------
+# Each phase's estimate is its true peak times a random factor within +-ESTIMATE_ERROR, times a
+# per-scenario bias within +-ESTIMATE_BIAS, both seeded. The guide's band starts at the bound of
+# that error (what a calibration would have measured): a true peak lies within it of its estimate.
+ESTIMATE_ERROR, ESTIMATE_BIAS = 0.05, 0.03
+BAND = 1 / ((1 - ESTIMATE_ERROR) * (1 - ESTIMATE_BIAS)) - 1  # 8.5%
+
+
+class ModelledEstimates:
+    """A scenario's estimates: the grid's unbudgeted peaks with the modelled error."""
+
+    def __init__(self, space, grid: dict, scenario: str):
+        self.space, self.grid, self.scenario = space, grid, scenario
+        self.bias = random.Random(f"bias:{scenario}").uniform(-ESTIMATE_BIAS, ESTIMATE_BIAS)
+        self.asked: set[tuple] = set()  # the points estimated: on a card, seconds of CPU each
+
+    def __call__(self, point: dict) -> dict[str, int] | None:
+        self.asked.add(self.space.key(point))
+        record = self.grid[self.space.key(point)]
+        if record["status"] != "ok":
+            return None
+        key = self.space.key(point)
+        return {phase: int(peak * (1 + random.Random(f"{self.scenario}:{key}:{phase}").uniform(
+                    -ESTIMATE_ERROR, ESTIMATE_ERROR)) * (1 + self.bias))
+                for phase, peak in record["phases"].items()}
+
+
+def run_guided(space, lookup: Lookup) -> dict | None:
+    """fitfinder's plan on estimates (search.plan_guided): probes only where they cannot decide."""
+    known = search.Knowledge(space, lookup.limit)
+    estimates = ModelledEstimates(space, lookup.grid, lookup.scenario)
+    guide = search.Guide(estimates, BAND)
+
+    def probe_step(step):
+        answer = lookup.outcome(step.point, step.steps_factor, fresh=step.purpose == "confirm")
+        return known.add(search.result_from_probe(lookup.probes, step, answer))
+
+    search.drive(space, known, probe_step, 0, TRIAL_CAP, planner=lambda s, k: search.plan_guided(s, k, guide))
+    lookup.estimates = len(estimates.asked)
+    winner = search.best(space, known)
+    return winner.point if winner else None
+
+
 STRATEGIES = {"grid": run_grid, "tpe": run_tpe, "binsearch": run_binsearch, "seeds": run_seeds,
-              "fitfinder": run_fitfinder}
+              "fitfinder": run_fitfinder, "guided": run_guided}
 
 
 # -- the run -------------------------------------------------------------------------------------------
@@ -398,10 +441,16 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the summary here")
     parser.add_argument("--only", help="only scenarios whose job name starts with this")
     parser.add_argument("--verify", type=int, default=0, help="re-run N random points per job under a budget")
+    parser.add_argument("--strategies", help="comma-separated, of: " + ", ".join(STRATEGIES) + " [all]")
     args = parser.parse_args()
+    if args.strategies:
+        chosen = {"grid", *args.strategies.split(",")}  # the grid is the yardstick of the % column
+        for name in [n for n in STRATEGIES if n not in chosen]:
+            del STRATEGIES[name]
 
     runner = probe.ProbeRunner(timeout_s=300)
-    totals = {name: {"optimum_found": 0, "exact": 0, "probes": 0, "probe_seconds": 0.0} for name in STRATEGIES}
+    totals = {name: {"optimum_found": 0, "exact": 0, "probes": 0, "probe_seconds": 0.0, "per_scenario": []}
+              for name in STRATEGIES}
     rows, count, mismatches = [], 0, 0
     rng = random.Random(0)
     for name, job, space in scenarios(args.only):
@@ -413,14 +462,17 @@ def main() -> None:
             optimum = true_optimum(space, grid, budget, speeds)
             count += 1
             row = {"scenario": f"{name}@{budget / 2**20:.1f}MiB", "points": space.size()}
+            row["bias"] = ModelledEstimates(space, grid, row["scenario"]).bias
             for strategy, run in STRATEGIES.items():
-                lookup = Lookup(space, grid, budget)
+                lookup = Lookup(space, grid, budget, row["scenario"])
                 winner = run(space, lookup)
                 found = is_optimum(space, winner, optimum, speeds)
                 totals[strategy]["optimum_found"] += found
                 totals[strategy]["exact"] += winner == optimum
                 totals[strategy]["probes"] += lookup.probes
                 totals[strategy]["probe_seconds"] += lookup.seconds
+                totals[strategy]["per_scenario"].append(lookup.probes)
+                totals[strategy]["estimates"] = totals[strategy].get("estimates", 0) + getattr(lookup, "estimates", 0)
                 row[strategy] = f"{lookup.probes}{'' if found else '*'}"
             rows.append(row)
     _print(rows, totals, count, mismatches, args.verify)
@@ -444,8 +496,20 @@ def _print(rows, totals, count, mismatches, verified) -> None:
               f"{100 * t['probes'] / grid_probes:>10.1f}%{t['probe_seconds']:>15.1f}")
     print(f"(optimum found: the best quality, and seconds per sample within {SPEED_TIE:.0%} of the fastest; "
           "exact: the very point)")
-    ff, tpe = totals["fitfinder"]["probes"], totals["tpe"]["probes"]
-    print(f"\nfitfinder: {ff / grid_probes:.1%} of the grid's probes, {ff / tpe:.0%} of TPE's")
+    if "tpe" in totals and "fitfinder" in totals:
+        ff, tpe = totals["fitfinder"]["probes"], totals["tpe"]["probes"]
+        print(f"\nfitfinder: {ff / grid_probes:.1%} of the grid's probes, {ff / tpe:.0%} of TPE's")
+    for name, label in (("fitfinder", "without estimates"), ("guided", "guided by estimates")):
+        if name in totals:
+            counts = sorted(totals[name]["per_scenario"])
+            print(f"{name} {label}: optimum {totals[name]['optimum_found']}/{count}, {totals[name]['probes']} probes, "
+                  f"median {counts[len(counts) // 2] if len(counts) % 2 else (counts[len(counts) // 2 - 1] + counts[len(counts) // 2]) / 2:g} "
+                  f"per scenario, at most {counts[-1]}")
+    if "guided" in totals:
+        print(f"(guided: {totals['guided']['estimates']} points estimated in all; "
+              f"each phase's estimate = true peak x a seeded factor within +-{ESTIMATE_ERROR:.0%} "
+              f"x a per-scenario bias within +-{ESTIMATE_BIAS:.0%}; band starts at {BAND:.1%}; biases: "
+              + ", ".join(f"{row['bias']:+.1%}" for row in rows) + ")")
     if verified:
         print(f"grid claims re-checked under real budgets: {mismatches} mismatches")
 

@@ -242,7 +242,7 @@ def test_a_full_disk_mid_run_gives_one_line_and_a_study_the_rerun_finishes(tmp_p
     ((), {"FITFINDER_HEARTBEAT": "abc"}, "FITFINDER_HEARTBEAT: 'abc' is not INTERVAL,GRACE"),
     ((), {"FITFINDER_HEARTBEAT": "5,2"}, "FITFINDER_HEARTBEAT: '5,2'"),
     ((), {"FITFINDER_KILL_AT": "later:1"}, "FITFINDER_KILL_AT: 'later:1' is not STEP:TRIAL"),
-    (("--study", "n" * 300), {}, "is 300 bytes long, more than the 200"),
+    (("--study", "n" * 300), {}, "300 characters, at most 100; shorten config.name or give --study NAME"),
     (("--workers", "1000"), {}, "--workers 1000 is more than the"),
 ])
 def test_bad_input_is_one_line_before_anything_is_written(tmp_path, args, env, expected):

@@ -76,6 +76,10 @@ def search(
         None, "--prescreen/--no-prescreen",
         help="Estimate each point first (fake tensors, seconds) and decide without a probe those estimated at "
              "1.25 x the budget or more [on with --gpu, off with the sim meter]."),
+    guided: Optional[bool] = typer.Option(
+        None, "--guided/--no-guided",
+        help="Plan on estimates and probe only where they cannot decide (near the limit), the speed "
+             "settings' timings and the winner's proof [on with --gpu, off with the sim meter]."),
     json_output: bool = JsonOpt,
 ) -> None:
     """Search the best configuration that fits; export it as results/NAME/best.yaml."""
@@ -112,7 +116,7 @@ def search(
                                       studies_dir=studies_dir, results_dir=results_dir, workers=workers,
                                       gpus=tuple(gpus) if meter == "cuda" and len(gpus) > 1 else (),
                                       worker=worker, budget_is_card=meter == "cuda" and not budget_given,
-                                      prescreen=prescreen)
+                                      prescreen=prescreen, guided=guided)
     summary = searching.run(job, options, out)
     if summary is None:  # a worker: the search that launched it reports
         return
@@ -205,7 +209,7 @@ def estimate(
     limit_bytes, phases (name -> predicted peak bytes), phase_stats, overhead.
     """
     from fitfinder import estimate as estimating
-    from fitfinder import overhead, probe as probing
+    from fitfinder import overhead
     from fitfinder.output import Output
 
     out = Output(json_output)
@@ -214,7 +218,7 @@ def estimate(
         raise UserError("--card and --no-overhead contradict each other: give one of them")
     model = overhead.GpuOverhead.none() if no_overhead else (
         overhead.for_card(card) if card is not None else overhead.GpuOverhead())
-    runner = probing.ProbeRunner(job.settings.probe_timeout)
+    runner = estimating.InProcess(job.settings.probe_timeout)
     if search_points:
         _estimate_search(job, runner, model, out)
         return
@@ -287,6 +291,52 @@ def _estimate_search(job, runner, model, out) -> None:
         out.line(f"  as good, also predicted to fit: {space.describe(other.point)}  peak {format_bytes(other.peak_bytes)}")
     if found.alternatives:
         out.line("  (speed is not estimated: which of these is fastest, a probe on the card tells)")
+
+
+@app.command()
+@_friendly
+def tiers(
+    job_file: Path = JobArg,
+    cards: str = typer.Option("8,12,16,24,32,48,80,96", "--cards", help="Card sizes in GiB, as sold."),
+    margin: Optional[float] = typer.Option(None, "--margin", help="Safety margin, share of the budget [0.05]."),
+    card: Optional[str] = typer.Option(None, "--card", help="Use the GPU overhead `fitfinder calibrate` measured "
+                                                            "on this card (its name or part of it) [defaults]."),
+    no_overhead: bool = typer.Option(False, "--no-overhead", help="Tensor bytes only, as the sim meter counts them "
+                                                                  "(no CUDA context, workspace, rounding)."),
+    write: bool = typer.Option(False, "--write", help="Also export one job file per tier: results/NAME/tiers/*.yaml."),
+    study: Optional[str] = typer.Option(None, "--study", help="Name for results/NAME/ [config.name]."),
+    results_dir: Path = ResultsDirOpt,
+    timeout: Optional[float] = typer.Option(None, "--timeout", help="Seconds before an estimate is killed [600]."),
+    json_output: bool = JsonOpt,
+) -> None:
+    """The best configuration predicted to fit each card size, on estimates (no GPU): results/NAME/tiers.json."""
+    from fitfinder import estimate as estimating
+    from fitfinder import overhead, tiers as tiering
+    from fitfinder.output import Output
+    from fitfinder.units import format_bytes
+
+    out = Output(json_output)
+    job = _load(job_file, margin=margin, timeout=timeout)
+    sizes = tiering.parse_cards(cards)
+    if card is not None and no_overhead:
+        raise UserError("--card and --no-overhead contradict each other: give one of them")
+    model = overhead.GpuOverhead.none() if no_overhead else (
+        overhead.for_card(card) if card is not None else overhead.GpuOverhead())
+    out.note(f"estimating {job_file} for {len(sizes)} card sizes: {model.describe()}")
+
+    def on_tier(space, tier) -> None:
+        found = f"peak {format_bytes(tier.peak_bytes)}  {tier.differs or 'the job as written'}" if tier.point else "nothing fits"
+        out.note(f"{tier.label}: {found}")
+
+    table = tiering.compute(job, estimating.InProcess(job.settings.probe_timeout), model, sizes, on_tier)
+    out_dir = results_dir / _study_name(study or job.name)
+    path = tiering.write_json(table, out_dir)
+    written = tiering.write_jobs(job, table, out_dir) if write else []
+    out.result({**table.as_json(), "tiers_json": str(path), "written": [str(p) for p in written]})
+    out.table(["card", "peak", "differs from the job file", "given up"], tiering.rows(table.as_json()["tiers"]))
+    out.line(f"({table.estimates_run} estimates, {table.recalled} points recalled from their phases, "
+             f"{table.seconds:.0f} s; predictions: confirm a tier with `fitfinder search` on its card)")
+    out.line(f"wrote {path}" + (f" and {len(written)} job files in {out_dir / 'tiers'}" if written else ""))
 
 
 @app.command()

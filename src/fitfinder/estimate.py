@@ -22,6 +22,11 @@ planner on estimates instead of probes.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import os
+import signal
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,8 +110,83 @@ class Estimate:
         }
 
 
+class InProcess:
+    """Runs estimate requests in this process, with the ProbeRunner's `run(request)` surface.
+
+    An estimate holds no memory worth isolating (fake tensors) and cannot run out of it, so the
+    process boundary a probe needs buys it nothing but a second import of torch, diffusers,
+    transformers, peft and bitsandbytes in the probe server: 6-8 s, as long as the estimate
+    itself (benchmarks/estimate_speed.py). `fitfinder estimate` runs here; the search's
+    pre-screen keeps using its own warm probe server. What the libraries print goes to
+    /dev/null, as a probe's goes to its log, so --json's stdout stays one object.
+    """
+
+    def __init__(self, timeout_s: float = 600.0):
+        if timeout_s <= 0:
+            raise ValueError(f"the estimate's timeout must be positive but got {timeout_s}")
+        self.timeout_s = timeout_s
+
+    def run(self, request: dict[str, Any], log_path=None) -> dict[str, Any]:
+        from fitfinder import probe
+
+        with _quiet_fds():
+            import fitfinder._preload  # noqa: F401 - the libraries, once, before the clock starts
+        gc.collect()  # the last estimate's garbage, before probe.run freezes what is alive
+        started, cpu = time.perf_counter(), time.process_time()
+        try:
+            with _quiet_fds(), _alarm(self.timeout_s):
+                result = probe.run(request)  # turns an exception inside the recipe into a result
+        except EstimateTimeout:  # raised outside the recipe
+            result = {"status": "timeout", "phase": None, "phases": {}, "phase_stats": {}}
+        if result["status"] == "timeout" or "EstimateTimeout" in (result.get("error") or ""):
+            result.update(status="timeout", error=f"the estimate passed its {self.timeout_s:g} s timeout")
+        result["wall_seconds"] = round(time.perf_counter() - started, 3)
+        result["cpu_seconds"] = round(time.process_time() - cpu, 3)  # this estimate's, not the imports'
+        return result
+
+
+class EstimateTimeout(Exception):
+    """Raised in the estimating thread when its time is up; probe.run turns it into a result."""
+
+
+@contextlib.contextmanager
+def _alarm(seconds: float):
+    def expire(signum, frame):
+        raise EstimateTimeout(f"no result after {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@contextlib.contextmanager
+def _quiet_fds():
+    """stdout and stderr at the file-descriptor level to /dev/null (C libraries print there too)."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, null):
+            os.close(fd)
+
+
 def run(job, runner, overhead: GpuOverhead) -> Estimate:
-    """Estimate a job file in a fresh process from `runner` (a probe.ProbeRunner)."""
+    """Estimate a job file with `runner`: InProcess, or a probe.ProbeRunner (a fresh process)."""
     request = request_for(job, overhead)
     result = runner.run(request)
     if result["status"] != "ok":
@@ -160,6 +240,31 @@ class Prescreen:
                 "meter": result.get("meter"), "wall_seconds": result.get("wall_seconds")}
 
 
+# How far a probe's peak may lie from its estimate, where the estimate-guided search starts
+# (search.Guide; it widens past any disagreement a probe shows). On the CPU the estimate matches
+# the sim meter to the byte (benchmarks/estimate_accuracy.py holds it to 2%); on a card it misses
+# what it does not model, a few percent, until scripts/gpu_check.sh measures it: 10%.
+GUIDE_BAND = {"sim": 0.02, "cuda": 0.10}
+_guides: dict[tuple, Any] = {}
+
+
+def guide_for(enabled: bool | None, job, meter: str, gpu: int = 0, runner=None):
+    """The estimates that guide a search (search.plan_guided), or None: on by default with the
+    cuda meter, whose probes cost minutes. One per job and card in a process, so that the loop
+    and the search's end share what was estimated; they run from `runner` (a probe server)."""
+    if not (meter == "cuda" if enabled is None else enabled):
+        return None
+    key = (str(job.source), meter, gpu, job.settings.vram_bytes)
+    if key not in _guides:
+        from fitfinder import overhead, probe, search
+
+        runner = runner or probe.ProbeRunner(job.settings.probe_timeout)
+        model = overhead.for_gpu(gpu) if meter == "cuda" else GpuOverhead.none()
+        estimator = Estimator(job, runner, model)
+        _guides[key] = search.Guide(estimator.phases_or_none, GUIDE_BAND[meter])
+    return _guides[key]
+
+
 def prescreen_for(enabled: bool | None, runner, budget_bytes: int | None, meter: str, gpu: int = 0) -> Prescreen | None:
     """The search's pre-screen: on by default with the cuda meter (whose probes cost minutes),
     off by default with the sim meter (whose probes cost what an estimate costs)."""
@@ -197,37 +302,96 @@ class EstimateSearch:
                 "explanation": search.explain(self.space, self.known, best.point) if best else []}
 
 
-def search(job, runner, overhead: GpuOverhead, on_estimate=None) -> EstimateSearch:
+class Estimator:
+    """One job's points estimated, each phase at most once for the knobs it depends on.
+
+    A phase's peak depends only on the knobs that phase depends on (space.Knob.phases, which
+    tests/test_space_truth.py holds to the real probe byte for byte), so a point whose every
+    phase was already estimated at other points that agree on that phase's knobs is known
+    without running: the planner's confirmation, a speed setting that changes only the training
+    step once another point had it, a tier's search that walks what a smaller card's already
+    walked. Estimates do not depend on the budget, so searches at several budgets share one.
+    """
+
+    def __init__(self, job, runner, overhead: GpuOverhead, space=None):
+        from fitfinder import space as spaces
+
+        self.job, self.runner, self.overhead = job, runner, overhead
+        self.space = space or spaces.build(job)
+        self.arch_name: str | None = None
+        self.runs = 0  # estimates actually run
+        self.recalled = 0  # points answered from the phases of others
+        self._phases: dict[tuple, dict[str, Any]] = {}  # (phase, its knobs' values) -> phase stats
+        self._failed: set[tuple] = set()
+
+    def of(self, point) -> Estimate:
+        stats = self._recall(point)
+        if stats is not None:
+            self.recalled += 1
+            return Estimate(arch_name=self.arch_name, phase_stats=stats, budget_bytes=self.job.settings.vram_bytes,
+                            margin=self.job.settings.margin, overhead=self.overhead, seconds=0.0)
+        found = run(self.space.apply(self.job, point), self.runner, self.overhead)
+        self.runs += 1
+        self.arch_name = found.arch_name
+        for phase, phase_stats in found.phase_stats.items():
+            self._phases[self._phase_key(phase, point)] = phase_stats
+        return found
+
+    def phases_or_none(self, point) -> dict[str, int] | None:
+        """A point's predicted peak per phase, or None when its estimate fails (asked once)."""
+        key = self.space.key(point)
+        if key in self._failed:
+            return None
+        try:
+            return self.of(point).phases
+        except RunFailed:
+            self._failed.add(key)
+            return None
+
+    def _recall(self, point) -> dict[str, Any] | None:
+        stats = {}
+        for phase in self.space.phases_run(point):
+            known = self._phases.get(self._phase_key(phase, point))
+            if known is None:
+                return None
+            stats[phase] = known
+        return stats
+
+    def _phase_key(self, phase: str, point) -> tuple:
+        return (phase, *(point[k.name] for k in self.space.knobs if phase in k.phases))
+
+
+def search(job, runner, overhead: GpuOverhead, on_estimate=None, estimator: Estimator | None = None,
+           budget_bytes: int | None = None) -> EstimateSearch:
     """The search's planner (search.drive), each planned point estimated instead of probed.
 
     Nothing is written to studies/: a study holds measurements, and a later real search resuming
     it must not take predictions for them. An estimate is deterministic, so the planner's
     confirmation of the winner repeats it from memory, and one that fails stops the search with
     its error (the next point would fail the same way). Speed is not estimated: among the points
-    of the best quality, every speed setting predicted to fit is reported.
+    of the best quality, every speed setting predicted to fit is reported. `estimator` shares
+    estimates between searches of the same job at several budgets (`budget_bytes`, default the
+    job's).
     """
     from fitfinder import search as searching
-    from fitfinder import space as spaces
 
-    space = spaces.build(job)
-    budget = job.settings.vram_bytes
+    estimator = estimator or Estimator(job, runner, overhead)
+    space = estimator.space
+    budget = budget_bytes or job.settings.vram_bytes
     limit = int(budget * (1 - job.settings.margin))
     known = searching.Knowledge(space, limit)
-    done: dict[tuple, Estimate] = {}
+    runs_before = estimator.runs
 
     def estimate_step(step) -> None:
-        key = space.key(step.point)
-        if key not in done:
-            done[key] = run(space.apply(job, step.point), runner, overhead)
-        result = _as_result(len(known.results), step, done[key])
+        result = _as_result(len(known.results), step, estimator.of(step.point))
         known.add(result)
         if on_estimate is not None:
             on_estimate(space, result, budget)
 
     proven, _ = searching.drive(space, known, estimate_step, 0, job.settings.trials)
     best, alternatives = _fastest_candidates(space, known, searching.best(space, known))
-    return EstimateSearch(space=space, best=best, known=known, estimates_run=len(done), proven=proven,
-                          budget_bytes=budget, limit_bytes=limit, alternatives=alternatives)
+    return EstimateSearch(space=space, best=best, known=known, estimates_run=estimator.runs - runs_before,
+                          proven=proven, budget_bytes=budget, limit_bytes=limit, alternatives=alternatives)
 
 
 def _as_result(trial: int, step, found: Estimate):

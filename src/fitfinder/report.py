@@ -18,6 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from fitfinder import tiers
 from fitfinder.errors import UserError
 from fitfinder.jobconfig import JobFile, write_atomic
 from fitfinder.space import Point, Space
@@ -188,6 +189,9 @@ def write_report(study, space: Space, known, out_dir: Path, summary: dict[str, A
 
     sections = [_facts_section(study, space, known, summary, winner),
                 _explanation_section(space, known, rows, winner)]
+    tiers_found = tiers.read_json(out_dir)
+    if tiers_found is not None:
+        sections.append(_tiers_section(tiers_found))
     if space.knobs:
         sections.append(_figure_section(
             "Peak memory against each knob",
@@ -320,6 +324,16 @@ def _explanation_section(space: Space, known, rows: list[dict[str, Any]], winner
             "<th>forced by</th></tr>" + "".join(body) + "</table>"
             + (f"<p>Changed from the base file:</p><ul>{changed}</ul>" if changes
                else "<p>Nothing changed: the base file fits as written.</p>") + "</section>")
+
+
+def _tiers_section(found: dict[str, Any]) -> str:
+    """tiers.json beside the report (`fitfinder tiers`): the best point predicted per card size."""
+    body = "".join("<tr>" + "".join(f"<td>{_e(cell)}</td>" for cell in row) + "</tr>" for row in tiers.rows(found["tiers"]))
+    return ("<section id='tiers'><h2>Card sizes: the best configuration predicted to fit each</h2>"
+            f"<p class='note'>From <code>fitfinder tiers</code> on estimates ({_e(found.get('overhead'))}; "
+            f"{_e(found.get('estimates'))} estimates), not probes: confirm a tier on its card.</p>"
+            "<table class='grid'><tr><th>card</th><th>peak</th><th>differs from the job file</th>"
+            "<th>given up</th></tr>" + body + "</table></section>")
 
 
 def _figure_section(title: str, note: str, fig, div_id: str) -> str:

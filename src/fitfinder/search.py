@@ -235,6 +235,14 @@ def plan_around(space: Space, known: Knowledge, pending: list[Point], depth: int
     return Step(None)
 
 
+def next_step(space: Space, known: Knowledge, pending: list[Point], guide=None) -> Step:
+    """What one worker probes next: guided by estimates when it is alone (plan_guided), else
+    around the others' pending points (plan_around, which does not speculate on estimates)."""
+    if guide is not None and not pending:
+        return plan_guided(space, known, guide)
+    return plan_around(space, known, pending)
+
+
 def _among(space: Space, point: Point, points: list[Point]) -> bool:
     key = space.key(point)
     return any(space.key(p) == key for p in points)
@@ -356,8 +364,8 @@ def _speed_stage(space: Space, known: Knowledge, quality: Point, decided: list) 
             maximal.append(line(lo))
     for point in maximal:
         surely_slower = any(other != point and space.heavier_or_equal(other, point) for other in maximal)
-        if not surely_slower and not any(r.verdict == FIT for r in known.probed(point)):
-            return point  # fits by dominance, but its speed is not measured yet
+        if not surely_slower and not any(r.verdict == FIT and not r.extra.get("predicted") for r in known.probed(point)):
+            return point  # fits by dominance (or by a prediction), but its speed is not measured yet
     return None
 
 
@@ -379,6 +387,137 @@ def best(space: Space, known: Knowledge) -> Result | None:
     return max(fits, key=lambda r: (space.quality_key(r.point), -(r.seconds_per_sample or math.inf)))
 
 
+# -- planning on estimates ---------------------------------------------------------------------
+@dataclass
+class Guide:
+    """Estimated peaks per phase, and how far to trust them: the estimate-guided plan's input.
+
+    `phases(point)` gives a point's estimated peak per phase (or None: no estimate); `band`, the
+    estimate's relative error as calibration measured it. A real peak is taken to lie within
+    `band` of its estimate either way, until a probe shows otherwise: then the band widens to
+    WIDEN times the largest error seen (`band_for`), and every prediction is made again.
+    """
+
+    phases: Any  # Callable[[Point], dict[str, int] | None]
+    band: float
+
+    WIDEN = 1.5
+
+    def __post_init__(self):
+        if not 0 <= self.band < 1:
+            raise ValueError(f"the estimate's error band must be in [0, 1) but got {self.band}")
+
+    def error(self, result: Result) -> float | None:
+        """How far a probe's peaks were from their estimates (relative), or None if it says nothing."""
+        estimated = self.phases(result.point)
+        if not estimated or result.status not in ("ok", "oom"):
+            return None
+        errors = [abs(peak / estimated[phase] - 1) for phase, peak in result.phases.items()
+                  if estimated.get(phase) and (result.status == "ok" or phase != result.phase)]
+        budget = result.extra.get("budget_bytes")
+        if result.status == "oom" and budget and estimated.get(result.phase):
+            errors.append(max(0.0, budget / estimated[result.phase] - 1))  # it ran out above the budget
+        return max(errors, default=None)
+
+    def disagreement(self, result: Result) -> dict[str, Any]:
+        """A probe against its estimate, as trial user attributes: the relative error, and
+        whether it passed the band (each such disagreement widens the band)."""
+        error = self.error(result)
+        if error is None:
+            return {}
+        return {"estimate_error": round(error, 4), "estimate_disagrees": error > self.band,
+                "estimated_phases": self.phases(result.point)}
+
+    def band_for(self, known: Knowledge) -> float:
+        """The band, widened past the largest disagreement a probe has shown."""
+        worst = max((e for e in map(self.error, known.results) if e is not None), default=0.0)
+        return self.band if worst <= self.band else self.WIDEN * worst
+
+    def predict(self, space: Space, point: Point, limit: int, band: float) -> Result | None:
+        """A prediction the plan may take as a result, or None when the estimate cannot decide.
+
+        Fits: every phase's estimate, raised by the band, under the limit. Does not: some phase's
+        estimate, lowered by the band, over it (that phase is where it would run out). The peaks
+        recorded are the raised ones, so a phase that witnesses a fit is one that surely fits.
+        """
+        estimated = self.phases(point)
+        if not estimated:
+            return None
+        high = {phase: int(estimated[phase] * (1 + band)) for phase in space.phases_run(point) if phase in estimated}
+        extra = {"predicted": True, "purpose": "predicted"}
+        if max(high.values()) <= limit:
+            return Result(trial=-1, point=point, status="ok", peak_bytes=max(high.values()), phases=high, extra=extra)
+        over = next((p for p in high if estimated[p] * (1 - band) > limit), None)
+        if over is None:
+            return None
+        return Result(trial=-1, point=point, status="oom", phase=over, peak_bytes=max(high.values()), phases=high,
+                      extra=extra)
+
+
+def plan_guided(space: Space, known: Knowledge, guide: Guide) -> Step:
+    """The next point to probe when estimates decide what they can: `plan` on what the probes
+    found plus the predictions, and a real probe only where the estimate cannot decide.
+
+    Each point the plan asks for is predicted first (Guide.predict); a prediction joins the
+    plan's knowledge as a result and the plan goes on. A probe is asked for: where the estimate
+    is within its band of the limit (a speed setting, at the best quality, with the
+    confirmation's steps: if it fits it may be the winner); for the seconds per sample of a speed
+    setting predicted to fit (also with the confirmation's steps, so that the fastest is
+    confirmed by its own probe); the confirmation; and the proof of the winner, each quality knob's next level up
+    (as `explain` names it) shown not to fit by a probe, or by dominance from one. Pure, like
+    `plan`: the predictions are made again from `known` each time.
+    """
+    band = guide.band_for(known)
+    view = Knowledge(space, known.limit_bytes)
+    for result in known.results:
+        view.add(result)
+    while True:
+        step = plan(space, view)
+        if step.point is None:
+            return _proof_step(space, known, view)
+        timing = step.purpose == "speed" and view.state(step.point) == FIT
+        if step.purpose == "confirm" or timing:
+            return Step(step.point, "confirm", CONFIRM_FACTOR)
+        predicted = guide.predict(space, step.point, known.limit_bytes, band)
+        if predicted is None or _contradicted(space, known, predicted):
+            if step.purpose == "speed":  # at the best quality: if it fits, it may be the winner
+                return Step(step.point, "confirm", CONFIRM_FACTOR)
+            return Step(step.point, step.purpose)
+        view.add(predicted)
+
+
+def _contradicted(space: Space, known: Knowledge, predicted: Result) -> bool:
+    """A predicted failure that a probe already disproves: a point at least as heavy in that
+    phase fit. The probe wins (a prediction never overrules a measurement): probe this one."""
+    return predicted.status == "oom" and any(
+        r.verdict == FIT and space.heavier_or_equal(r.point, predicted.point, predicted.phase) for r in known.results)
+
+
+def _proof_step(space: Space, known: Knowledge, view: Knowledge) -> Step:
+    """A probe of the winner's next level up on a quality knob not yet ruled out by a probe; with
+    no winner, of the lightest point (that nothing fits is an answer too, and wants its proof)."""
+    winner = best(space, view)
+    if winner is None:
+        lightest = space.lightest()
+        return Step(None) if known.state(lightest) == NOFIT else Step(lightest, "proof")
+    for row in explain(space, view, winner.point):
+        knob = space.by_name[row["knob"]]
+        if knob.role != "quality" or row["verdict"] != "given up":
+            continue
+        up = _next_up(space, winner.point, knob)
+        if known.state(up) != NOFIT:
+            return Step(up, "proof")
+    return Step(None)
+
+
+def _next_up(space: Space, winner: Point, knob) -> Point:
+    """The winner with `knob` one level up and every later knob at its lightest: what rules out
+    that level whatever the later knobs are (see explain)."""
+    index = space.knobs.index(knob)
+    later = {k.name: k.candidates[0] for k in space.knobs[index + 1:]}
+    return {**winner, **later, knob.name: knob.candidates[knob.level(winner[knob.name]) + 1]}
+
+
 # -- the loop ----------------------------------------------------------------------------------
 @dataclass
 class SearchOptions:
@@ -393,6 +532,7 @@ class SearchOptions:
     worker: bool = False  # this process is one of the workers a search launched
     budget_is_card: bool = False  # no --vram: the budget is the card's memory
     prescreen: bool | None = None  # estimate first, decide points well over the budget (None: with cuda)
+    guided: bool | None = None  # plan on estimates, probe where they cannot decide (None: with cuda)
 
 
 @dataclass
@@ -435,15 +575,16 @@ class SearchSummary:
 
 
 def drive(space: Space, known: Knowledge, probe_step, probes_run: int, max_probes: int,
-          on_decided=None) -> tuple[bool, int]:
+          on_decided=None, planner=None) -> tuple[bool, int]:
     """Plan, probe, learn until the plan is done or `max_probes` probes exist.
 
     `probe_step(step)` runs one probe and adds its Result to `known`; `on_decided(point,
     result)` hears of each point decided without a probe. Returns (whether the plan finished,
     the number of probes run so far).
     """
+    planner = planner or plan  # e.g. lambda space, known: plan_guided(space, known, guide)
     while True:
-        step = plan(space, known)
+        step = planner(space, known)
         for point, decider in step.decided:
             if on_decided is not None:
                 on_decided(point, decider)
@@ -490,7 +631,10 @@ def run(job, options: SearchOptions, out) -> SearchSummary | None:
             workers.work(job, space, study, options, limit, out)
         studies.fail_stale(study)  # a worker killed after the others finished: its trial says why
     known, pending = studies.read(study, space, limit)
-    proven = plan(space, known).point is None and not pending
+    from fitfinder import estimate
+
+    guide = estimate.guide_for(options.guided, job, options.meter, options.gpu)
+    proven = next_step(space, known, pending, guide).point is None and not pending
     return _finish(job, space, study, known, options, settings, url, studies.probes_in(study), proven,
                    budget, limit, out)
 
@@ -536,7 +680,8 @@ def result_from_probe(trial: int, step: Step, outcome: dict[str, Any]) -> Result
                   phase=outcome.get("phase"), error=outcome.get("error"),
                   phases=dict(outcome.get("phases") or {}), confirm=step.purpose == "confirm",
                   extra={"seconds_per_step": per_step, "purpose": step.purpose,
-                         "wall_seconds": outcome.get("wall_seconds"), "estimated": bool(outcome.get("estimated"))})
+                         "wall_seconds": outcome.get("wall_seconds"), "estimated": bool(outcome.get("estimated")),
+                         "budget_bytes": outcome.get("budget_bytes")})
 
 
 def _finish(job, space, study, known, options, settings, url, probes_run, proven, budget, limit, out) -> SearchSummary:

@@ -35,14 +35,15 @@ def work(job, space, study, options, limit: int | None, out) -> None:
     _refuse_a_different_card(study, card, options.study_name)
     runner = probe.ProbeRunner(timeout_s=settings.probe_timeout)
     bench = _Bench(runner, estimate.prescreen_for(options.prescreen, runner, settings.vram_bytes, options.meter,
-                                                  options.gpu), faults.probe_faults(), log_dir, card)
+                                                  options.gpu), faults.probe_faults(), log_dir, card,
+                   estimate.guide_for(options.guided, job, options.meter, options.gpu, runner))
     pause = 0.5  # while others probe what the plan waits for: short, probes can be too
     with out.progress(settings.trials, "probing"):
         while True:
             studies.fail_stale(study)
             known, pending = studies.read(study, space, limit)
             search._stop_if_probes_keep_failing(known.results, log_dir)
-            step = search.plan_around(space, known, pending)
+            step = search.next_step(space, known, pending, bench.guide)
             _record_decided(study, space, step.decided)
             if studies.probes_in(study) >= settings.trials:
                 return
@@ -68,6 +69,7 @@ class _Bench:
     faults: dict
     log_dir: Path
     card: dict
+    guide: Any = None  # search.Guide: estimates the plan trusts within a band (or None)
 
 
 def _probe(trial, job, space, study, options, limit, bench: _Bench, first_attempt: bool, out) -> None:
@@ -99,6 +101,9 @@ def _probe(trial, job, space, study, options, limit, bench: _Bench, first_attemp
         raise
     faults.kill_if_at("probed", trial.number)
     result = search.result_from_probe(trial.number, step, outcome)
+    if bench.guide is not None:  # how far the estimate was: the band widens past a disagreement
+        for key, value in bench.guide.disagreement(result).items():
+            trial.set_user_attr(key, value)
     judged = search.Knowledge(space, limit).add(result)
     if studies.record(study, trial, space, judged, outcome, limit, purpose):
         faults.kill_if_at("recorded", trial.number)
@@ -199,6 +204,8 @@ def worker_command(job, options, url: str, index: int) -> list[str]:
         command += ["--gpu", "0"]  # the one card CUDA_VISIBLE_DEVICES shows it
     if options.prescreen is not None:
         command += ["--prescreen" if options.prescreen else "--no-prescreen"]
+    if options.guided is not None:
+        command += ["--guided" if options.guided else "--no-guided"]
     return command
 
 

@@ -1,0 +1,42 @@
+"""The estimate in the command's own process (estimate.InProcess): the same peaks as in a probe
+process, a timeout that ends it, and nothing printed by the libraries on stdout."""
+
+import pytest
+
+from fitfinder import estimate, jobconfig, probe
+from fitfinder.overhead import GpuOverhead
+from tests.conftest import DEMO
+
+
+@pytest.fixture(scope="module")
+def demo_request():
+    return estimate.request_for(jobconfig.load(DEMO), GpuOverhead())
+
+
+def test_in_process_gives_the_probe_process_peaks_to_the_byte(demo_request):
+    here = estimate.InProcess(300).run(demo_request)
+    there = probe.ProbeRunner(300).run(demo_request)
+    assert here["status"] == there["status"] == "ok"
+    assert here["phase_stats"].keys() == there["phase_stats"].keys()
+    for phase, stats in here["phase_stats"].items():
+        for key in ("peak_live", "peak_allocated", "peak_reserved"):
+            assert stats[key] == there["phase_stats"][phase][key], (phase, key)
+    assert 0 < here["cpu_seconds"] and 0 < here["wall_seconds"]
+
+
+def test_a_second_estimate_in_the_same_process_gives_the_same_peaks(demo_request):
+    runner = estimate.InProcess(300)
+    first, second = runner.run(demo_request), runner.run(demo_request)
+    assert first["phases"] == second["phases"]
+
+
+def test_an_estimate_past_its_timeout_is_a_timeout_result(demo_request):
+    result = estimate.InProcess(0.001).run(demo_request)
+    assert result["status"] == "timeout"
+    assert result["error"] == "the estimate passed its 0.001 s timeout"
+
+
+def test_the_timeout_must_be_positive():
+    with pytest.raises(ValueError) as raised:
+        estimate.InProcess(0)
+    assert str(raised.value) == "the estimate's timeout must be positive but got 0"

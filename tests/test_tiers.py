@@ -1,0 +1,106 @@
+"""`fitfinder tiers`: the best point predicted per card size, its JSON, its job files, its section
+in report.html; and the per-phase memory of estimates (estimate.Estimator) that makes it cheap."""
+
+import json
+
+import pytest
+
+from fitfinder import estimate, jobconfig, report, tiers
+from fitfinder.overhead import GpuOverhead
+from tests.conftest import DEMO, assert_one_clean_line, run_cli
+
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def demo_tiers(tmp_path_factory):
+    """The demo at two card sizes on tensor bytes (its budget is MiB, not GiB), with --write."""
+    where = tmp_path_factory.mktemp("tiers")
+    before = DEMO.read_text()
+    done = run_cli("tiers", str(DEMO), "--cards", "0.1,0.012", "--no-overhead", "--write", cwd=where)
+    assert DEMO.read_text() == before  # the input is never written
+    return where, done
+
+
+def test_the_table_says_per_card_what_differs_and_what_was_given_up(demo_tiers):
+    _, done = demo_tiers
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    header = lines.index(next(line for line in lines if line.startswith("card")))
+    assert lines[header:header + 3] == [
+        "card       peak      differs from the job file  given up",
+        "0.012 GiB  11.6 MiB  rank=8 gc=on batch=1       rank",
+        "0.1 GiB    66.5 MiB  the job as written         nothing",
+    ]
+    assert lines[-1] == "wrote results/demo_flux_lora/tiers.json and 2 job files in results/demo_flux_lora/tiers"
+
+
+def test_tiers_json_and_one_job_file_per_tier(demo_tiers):
+    where, _ = demo_tiers
+    found = json.loads((where / "results/demo_flux_lora/tiers.json").read_text())
+    small, large = found["tiers"]
+    assert (small["card_gib"], small["budget_bytes"], small["fits"]) == (0.012, int(0.012 * 2**30), True)
+    assert small["point"] == {"buckets": "256,384,512", "rank": 8, "gradient_checkpointing": True, "batch": 1}
+    assert small["given_up"] == ["rank"] and small["differs"] == "rank=8 gc=on batch=1"
+    assert small["peak_bytes"] <= small["limit_bytes"] == int(small["budget_bytes"] * 0.95)
+    assert large["changed"] == [] and large["point"]["rank"] == 32 and large["given_up"] == []
+    assert found["estimates"] + found["recalled"] >= found["estimates"] > 0
+    written = jobconfig.load(where / "results/demo_flux_lora/tiers/0.012gib.yaml")
+    assert written.get("network.linear") == 8 and written.get("train.gradient_checkpointing") is True
+    assert written.get("train.batch_size") == 1 and written.get("train.gradient_accumulation_steps") == 4
+    text = (where / "results/demo_flux_lora/tiers/0.012gib.yaml").read_text()
+    assert text.startswith("# fitfinder tiers: the best configuration predicted to fit a 0.012 GiB card")
+    assert "#   network.linear: 32 -> 8" in text
+
+
+def test_report_html_shows_the_tiers_beside_it(demo_tiers):
+    where, _ = demo_tiers
+    section = report._tiers_section(tiers.read_json(where / "results/demo_flux_lora"))
+    assert "<h2>Card sizes: the best configuration predicted to fit each</h2>" in section
+    assert "<tr><td>0.012 GiB</td><td>11.6 MiB</td><td>rank=8 gc=on batch=1</td><td>rank</td></tr>" in section
+
+
+@pytest.mark.parametrize("cards, expected", [
+    ("8,lots", "--cards: 'lots' is not a size in GiB"),
+    ("0,8", "--cards: sizes must be positive, got 0"),
+    (",", "--cards: give at least one card size in GiB"),
+])
+def test_bad_cards_are_one_line_and_exit_2(tmp_path, cards, expected):
+    assert_one_clean_line(run_cli("tiers", str(DEMO), "--cards", cards, cwd=tmp_path), expected)
+
+
+def test_cards_are_sorted_and_deduplicated():
+    assert tiers.parse_cards("24, 8,24GiB,12GB") == (8.0, 12.0, 24.0)
+
+
+class _ByRequest:
+    """A stand-in estimate: each phase's peak is a sum over the request's fields that phase reads."""
+
+    def __init__(self):
+        self.requests = []
+
+    def run(self, request, log_path=None):
+        self.requests.append(request)
+        rank, batch, gc = request["rank"], request["batch_size"], request["gradient_checkpointing"]
+        peaks = {"load": 100 + rank, "text_encoder": 90 + rank + batch, "latents": 10 + batch, "sample": 50 + rank,
+                 "train": 200 + rank + 40 * batch + (0 if gc else 60), "last_sample": 50 + rank}
+        stats = {p: {"peak_live": v, "peak_allocated": v, "peak_reserved": v, "seconds": 0.1} for p, v in peaks.items()}
+        return {"status": "ok", "phase_stats": stats}
+
+
+def test_a_point_whose_every_phase_is_known_is_recalled_not_estimated():
+    job = jobconfig.load(DEMO)
+    runner = _ByRequest()
+    estimator = estimate.Estimator(job, runner, GpuOverhead.none())
+    base = estimator.space.desired()
+    gc_on = {**base, "gradient_checkpointing": True}
+    lower_rank = {**base, "rank": 16}
+    both = {**lower_rank, "gradient_checkpointing": True}
+    first, second, third = estimator.of(base), estimator.of(gc_on), estimator.of(lower_rank)
+    assert estimator.runs == 3 and len(runner.requests) == 3
+    # checkpointing changes only the training step, which gc_on measured at rank 32, not at 16:
+    fourth = estimator.of(both)
+    assert estimator.runs == 4
+    again = estimator.of(gc_on)  # every phase known: nothing runs
+    assert (estimator.runs, estimator.recalled) == (4, 1) and again.phases == second.phases
+    assert first.phases["train"] - second.phases["train"] == 60 and fourth.phases["load"] == third.phases["load"]
