@@ -316,7 +316,7 @@ CASES["results_dir_under_a_file"] = Case(["search", "job.yaml", "--results-dir",
 CASES["studies_is_a_file"] = Case(["search", "job.yaml"], "--studies-dir studies: studies is a file, not a folder",
                                   {"job.yaml": GOOD}, setup=_studies_a_file)
 CASES["search_its_own_winner"] = Case(["search", f"results/{NAME}/best.yaml"],
-                                      f"results/{NAME}/best.yaml: is the winner this search would write",
+                                      f"results/{NAME}/best.yaml is where this search writes its winner",
                                       {f"results/{NAME}/best.yaml": GOOD})
 CASES["diagnose_o_read_only"] = Case(["diagnose", "train.log", "--job", "job.yaml", "-o", "ro/fixed.yaml"],
                                      "ro/fixed.yaml: cannot write it (", {"job.yaml": GOOD, "train.log": LOG},

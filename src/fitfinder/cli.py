@@ -111,7 +111,7 @@ def search(
         for index in gpus:
             preflight.ensure_clean(index, job.settings.vram_bytes, out, force=force)
     name = _study_name(study or job.name)
-    _check_outputs(job, job_file, results_dir / name, None if storage else studies_dir)
+    _check_outputs(job, results_dir / name, None if storage else studies_dir)
     options = searching.SearchOptions(study_name=name, meter=meter, gpu=gpus[0], storage=storage,
                                       studies_dir=studies_dir, results_dir=results_dir, workers=workers,
                                       gpus=tuple(gpus) if meter == "cuda" and len(gpus) > 1 else (),
@@ -493,16 +493,13 @@ def _load(job_file: Path, vram: Optional[str] = None, names: Optional[dict] = No
     return job
 
 
-def _check_outputs(job, job_file: Path, out_dir: Path, studies_dir: Optional[Path]) -> None:
-    """What would fail only after the probes, refused before anything is written: the space,
-    the model's weights, the job file being the winner it would overwrite, an output folder that
-    cannot be written."""
-    from fitfinder import models, report, space
+def _check_outputs(job, out_dir: Path, studies_dir: Optional[Path]) -> None:
+    """What would fail only after the probes, refused before anything is written: the space and
+    an output folder that cannot be written (the model's weights and the job file being the winner
+    it would overwrite: search._refuse_before_writing)."""
+    from fitfinder import report, space
 
     space.build(job)  # bad candidates
-    models.model_spec(job)  # a missing model folder, an unknown family
-    if job_file.resolve() == (out_dir / "best.yaml").resolve():
-        raise UserError(f"{job_file}: is the winner this search would write; copy it elsewhere and search the copy")
     report.check_output_dir(out_dir, "--results-dir")
     if studies_dir is not None:
         report.check_output_dir(studies_dir, "--studies-dir")
