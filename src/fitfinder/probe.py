@@ -269,7 +269,6 @@ def _recipe(request: dict, meter, result: dict) -> None:
     sample = request["sample"]
     with meter.phase("load"):
         pipe = models.load_pipeline(request["model"], request, meter)
-        ema = _ema(pipe, request)  # AI Toolkit's setup_ema follows the optimizer, before any caching
     meter.replay_repeated_blocks(*pipe.parts.values())
     with _phase("text_encoder", pipe, request):
         prompts = _encode_text(pipe, request)
@@ -278,11 +277,16 @@ def _recipe(request: dict, meter, result: dict) -> None:
     prompts["train"] = {key: meter.to_host(value) for key, value in prompts["train"].items()}
     with _phase("latents", pipe, request):
         _encode_latents(pipe, request)
+    # AI Toolkit's setup_ema runs before any caching; made here, before the first preview, the
+    # shadow leaves the text_encoder and latents phases one copy light (docs/fidelity.md, item 4).
+    ema = None
     if sample["first"]:
         with _phase("sample", pipe, request):
+            ema = _ema(pipe, request)
             with _ema_weights(ema):
                 _sample(pipe, request, prompts)
     with _phase("train", pipe, request):
+        ema = ema or _ema(pipe, request)
         prompts["train"] = {key: meter.to_device(value) for key, value in prompts["train"].items()}
         optimizer = _train(pipe, request, prompts, result, ema)
     del prompts["train"]  # and end with the training steps

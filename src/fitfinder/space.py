@@ -382,7 +382,7 @@ def _ema(job: JobFile, override: list | None, video: bool) -> Knob | None:
     values = [False, True] if override is None else _with_desired(
         override, desired, lambda v: isinstance(v, bool), "true or false")
     # A shadow of the trained weights from before the first preview on, and a stored copy of
-    # them from the first preview on (AI Toolkit's toolkit/ema.py): from a full fine-tune, two
+    # them from the first preview on (AI Toolkit's toolkit/ema.py): for a full fine-tune, two
     # more copies of the model.
     return Knob("ema", "quality", tuple(v for v in (False, True) if v in values), desired,
                 ("train.ema_config.use_ema",), frozenset({"sample", "train", "last_sample"}))
