@@ -47,7 +47,8 @@ def test_a_lora_job_without_a_rank_still_says_what_is_missing():
     text = tiny_job("flux").dumps().replace("linear: 8, linear_alpha: 8", "type: lora")
     with pytest.raises(jobconfig.ConfigError) as refused:
         jobconfig.loads(text.replace("{type: lora, type: lora}", "{type: lora}"), "<job>")
-    assert "network.linear: missing; set the LoRA rank, or leave `network` out for a full fine-tune" in str(refused.value)
+    assert ("network.linear: missing; set the LoRA rank, or leave `network` out for a full fine-tune"
+            in str(refused.value))
 
 
 @pytest.mark.slow
@@ -98,5 +99,5 @@ def test_ema_holds_a_shadow_and_a_stored_copy_and_the_estimate_follows():
     trained = extra["sample"] // 2
     # In the last preview three copies exist for a moment (the old stored one, the new one), but
     # the preview's own activations peak higher than one copy of this tiny model: two copies there.
-    assert trained > 0 and extra == {"load": trained, "text_encoder": trained, "latents": trained, "sample": 2 * trained,
-                                     "train": 2 * trained, "last_sample": 2 * trained}
+    assert trained > 0 and extra == {"load": trained, "text_encoder": trained, "latents": trained,
+                                     "sample": 2 * trained, "train": 2 * trained, "last_sample": 2 * trained}
