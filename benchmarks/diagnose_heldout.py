@@ -96,7 +96,8 @@ def main() -> None:
              or (corpus[n]["phase_shown"] and columns[-1][1][n]["phase"] != corpus[n]["phase"])
              or columns[-1][1][n]["oom"] != corpus[n]["oom"]]
     for name, want, got in wrong:
-        print(f"  miss ({want['split']}): {name}: want {want['kind']}/{want.get('phase', '(not shown)')}, got {got['kind']}/{got['phase']}")
+        print(f"  miss ({want['split']}): {name}: want {want['kind']}/{want.get('phase', '(not shown)')}, "
+              f"got {got['kind']}/{got['phase']}")
 
 
 if __name__ == "__main__":

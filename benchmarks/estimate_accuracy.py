@@ -94,9 +94,11 @@ def measure_accuracy(configs, runner=None, workers: int = 2) -> list[dict]:
     for index, ((family, changes), (sim, fake)) in enumerate(zip(configs, pairs)):
         for result, meter in ((sim, "sim"), (fake, "estimate")):
             if result["status"] != "ok":
-                raise RuntimeError(f"config {index} ({family} {changes}): the {meter} run failed: {result.get('error')}")
+                raise RuntimeError(f"config {index} ({family} {changes}): the {meter} run failed: "
+                                   f"{result.get('error')}")
         if list(sim["phase_stats"]) != list(fake["phase_stats"]):
-            raise RuntimeError(f"config {index}: phases differ: {list(sim['phase_stats'])} vs {list(fake['phase_stats'])}")
+            raise RuntimeError(f"config {index}: phases differ: {list(sim['phase_stats'])} "
+                               f"vs {list(fake['phase_stats'])}")
         for phase, stats in sim["phase_stats"].items():
             measured, estimated = stats["peak_allocated"], fake["phase_stats"][phase]["peak_live"]
             error = (estimated - measured) / measured if measured else float(estimated != 0)

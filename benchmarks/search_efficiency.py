@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
-import os
 import random
 import sys
 import time
@@ -502,8 +500,10 @@ def _print(rows, totals, count, mismatches, verified) -> None:
     for name, label in (("fitfinder", "without estimates"), ("guided", "guided by estimates")):
         if name in totals:
             counts = sorted(totals[name]["per_scenario"])
+            middle = len(counts) // 2
+            median = counts[middle] if len(counts) % 2 else (counts[middle - 1] + counts[middle]) / 2
             print(f"{name} {label}: optimum {totals[name]['optimum_found']}/{count}, {totals[name]['probes']} probes, "
-                  f"median {counts[len(counts) // 2] if len(counts) % 2 else (counts[len(counts) // 2 - 1] + counts[len(counts) // 2]) / 2:g} "
+                  f"median {median:g} "
                   f"per scenario, at most {counts[-1]}")
     if "guided" in totals:
         print(f"(guided: {totals['guided']['estimates']} points estimated in all; "

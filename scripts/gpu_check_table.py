@@ -64,7 +64,8 @@ def _estimate_verdict(estimated: dict | None, budget: int | None) -> str:
     return f"does not fit: over in {estimated.get('phase')} (peak {_gib(estimated.get('peak_bytes'))})"
 
 
-def rows_for(name: str, point: dict, probed: dict | None, estimated: dict | None) -> tuple[list[list[str]], list[float]]:
+def rows_for(name: str, point: dict, probed: dict | None,
+             estimated: dict | None) -> tuple[list[list[str]], list[float]]:
     """One row per phase that either side has, and the relative errors of the phases both measured."""
     measured = (probed or {}).get("phases") or {}
     predicted = (estimated or {}).get("phases") or {}

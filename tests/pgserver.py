@@ -22,7 +22,8 @@ from pathlib import Path
 def binaries() -> Path | None:
     """The newest installed PostgreSQL's bin folder, or None."""
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
-    return Path(found[-1]).parent if found else (Path(shutil.which("initdb")).parent if shutil.which("initdb") else None)
+    return Path(found[-1]).parent if found else (Path(shutil.which("initdb")).parent if shutil.which("initdb")
+                                                 else None)
 
 
 def _as_owner(command: list[str]) -> list[str]:

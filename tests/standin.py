@@ -2,9 +2,9 @@
 
 Each phase's peak depends only on the knobs that space.py says it depends on, and grows with
 each of them, as the real probe's memory does -- but for quantization while loading, where the
-full-precision weights arrive before they shrink (space.py marks that phase unordered); seconds per step fall with a larger batch and
-rise with checkpointing and offload. Over the budget, a phase "runs out of memory" and the
-later phases do not run, as in a real probe.
+full-precision weights arrive before they shrink (space.py marks that phase unordered); seconds
+per step fall with a larger batch and rise with checkpointing and offload. Over the budget, a
+phase "runs out of memory" and the later phases do not run, as in a real probe.
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ def phase_peaks(point: dict) -> dict[str, int]:
     quantized_on_device = point.get("quantize", "none") != "none" and not point.get("low_vram", False)
     arriving = 24 if quantized_on_device else 0
     peaks = {
-        "load": max(resident, arriving + encoder + lora) + (9 if encoder == 0 else 0),  # encoders load even when cached later
+        # encoders load even when cached later
+        "load": max(resident, arriving + encoder + lora) + (9 if encoder == 0 else 0),
         "text_encoder": resident + 9 * (encoder == 0) + 0.5 * batch,
         "latents": resident + 1.5 * pixels * batch,
         "train": resident + activations + optimizer + lora,

@@ -17,7 +17,8 @@ def _edit(old: str, new: str) -> str:
 CASES = {
     "not_yaml": ("job: [unclosed\n  config: {", "not valid YAML"),
     "no_process": ("job: extension\nconfig:\n  name: x\n", "config.process: missing"),
-    "negative_rank": (_edit("linear: 32", "linear: -8"), "config.process[0].network.linear: expected a positive integer"),
+    "negative_rank": (_edit("linear: 32", "linear: -8"),
+                      "config.process[0].network.linear: expected a positive integer"),
     "resolution_not_a_number": (_edit("resolution: [ 256, 384, 512 ]", "resolution: [ 256, big, 512 ]"),
                                 "config.process[0].datasets[0].resolution: expected a positive integer"),
     "unknown_fitfinder_key": (_edit("  weights: random", "  weights: random\n  turbo: true"),

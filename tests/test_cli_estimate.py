@@ -1,7 +1,6 @@
 """`fitfinder estimate` and `fitfinder calibrate` as a user runs them: table, JSON, exit codes, errors."""
 
 import json
-import math
 
 import pytest
 

@@ -186,7 +186,8 @@ def test_host_ram_is_answered_with_ram_changes_never_a_gpu_setting():
 
 @pytest.mark.parametrize("edits, lever, changes", [
     ({}, "cache_to_disk", [("datasets[0].cache_latents_to_disk", False, True)]),
-    ({"resolution: [512, 768, 1024]   # buckets": "resolution: [512, 768, 1024]\n          cache_latents_to_disk: true"},
+    ({"resolution: [512, 768, 1024]   # buckets":
+      "resolution: [512, 768, 1024]\n          cache_latents_to_disk: true"},
      "fewer_workers", [("datasets[0].num_workers", 2, 0)]),  # AI Toolkit's default is 2 workers
     ({"resolution: [512, 768, 1024]   # buckets":
       "resolution: [512, 768, 1024]\n          cache_latents_to_disk: true\n          num_workers: 0"},

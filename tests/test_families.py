@@ -128,6 +128,7 @@ def _save_pipeline(arch: dict, family: str, folder):
     tokenizer = {"flux": "tokenizer_2", "wan21": "tokenizer", "wan22": "tokenizer"}.get(family)
     if tokenizer:  # the long-prompt tokenizer's length is the one setting a folder holds outside configs
         (folder / tokenizer).mkdir()
-        (folder / tokenizer / "tokenizer_config.json").write_text(json.dumps({"model_max_length": arch["text_seq_len"]}))
+        (folder / tokenizer / "tokenizer_config.json").write_text(
+            json.dumps({"model_max_length": arch["text_seq_len"]}))
     (folder / "model_index.json").write_text(json.dumps({"_class_name": "pipeline", "_diffusers_version": "0.42"}))
     return folder

@@ -47,7 +47,8 @@ def test_a_lora_job_without_a_rank_still_says_what_is_missing():
     text = tiny_job("flux").dumps().replace("linear: 8, linear_alpha: 8", "type: lora")
     with pytest.raises(jobconfig.ConfigError) as refused:
         jobconfig.loads(text.replace("{type: lora, type: lora}", "{type: lora}"), "<job>")
-    assert "network.linear: missing; set the LoRA rank, or leave `network` out for a full fine-tune" in str(refused.value)
+    assert ("network.linear: missing; set the LoRA rank, or leave `network` out for a full fine-tune"
+            in str(refused.value))
 
 
 @pytest.mark.slow

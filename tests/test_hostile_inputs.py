@@ -89,9 +89,11 @@ job("alias_bomb_candidates", bomb() + edit("    quantize: [none]\n", "    rank: 
     "job.yaml: more than 10000 values once its aliases", seconds=1)
 job("alias_bomb_as_key", bomb() + "? *b9\n: 1\n" + BODY, "job.yaml: not valid YAML", seconds=1)
 job("alias_string_bomb", f'big: &big "{"x" * 900_000}"\n' + edit("    quantize: [none]\n", "    rank: ["
-                                                                 + ", ".join(["*big"] * 9000) + "]\n    quantize: [none]\n", BODY),
+                                                                 + ", ".join(["*big"] * 9000)
+                                                                 + "]\n    quantize: [none]\n", BODY),
     "job.yaml: more than 2 MiB of text once its aliases (*name) are expanded", seconds=5)  # ruamel: ~1 s/MiB
-job("undefined_alias", edit("linear: 32", "linear: *nowhere"), "job.yaml: not valid YAML (line 13): found undefined alias 'nowhere'")
+job("undefined_alias", edit("linear: 32", "linear: *nowhere"),
+    "job.yaml: not valid YAML (line 13): found undefined alias 'nowhere'")
 job("nested_60_deep", BODY + "deep: " + "[" * 60 + "]" * 60 + "\n", "nested more than 50 levels")
 job("nested_100000_deep", "deep: " + "[" * 100_000, "job.yaml: nested more than 50 levels deep", seconds=1)
 job("nested_20000_dashes", "- " * 20_000 + "x\n", "job.yaml: not valid YAML: nested too deeply", seconds=1)
@@ -101,7 +103,8 @@ job("integer_5000_digits", edit("linear: 32", "linear: " + "9" * 5000), "job.yam
 job("no_config", "job: extension\n", "config: missing")
 job("no_process", "job: extension\nconfig:\n  name: x\n", "config.process: missing")
 job("empty_process", "job: extension\nconfig:\n  name: x\n  process: []\n", "config.process: missing or empty")
-job("process_a_string", "job: extension\nconfig:\n  name: x\n  process: [train]\n", "config.process[0]: expected a mapping")
+job("process_a_string", "job: extension\nconfig:\n  name: x\n  process: [train]\n",
+    "config.process[0]: expected a mapping")
 job("no_name", edit('  name: "demo_flux_lora"\n', ""), "config.name: missing")
 job("name_300_chars", edit('name: "demo_flux_lora"', f'name: "{"n" * 300}"'), "300 characters, at most 100")
 job("network_a_string", edit('      network:\n        type: "lora"\n        linear: 32\n        linear_alpha: 32\n',
@@ -199,10 +202,12 @@ job("vram_exabyte", edit(VRAM, "vram: 1000000TiB"), "fitfinder.vram: must be bet
 job("margin_nan", edit(VRAM, VRAM + "\n  margin: .nan"), "fitfinder.margin: must be between 0.0 and 0.9, got nan")
 job("margin_too_big", edit(VRAM, VRAM + "\n  margin: 0.95"), "fitfinder.margin: must be between 0.0 and 0.9")
 job("margin_text", edit(VRAM, VRAM + "\n  margin: lots"), "fitfinder.margin: expected a number, got 'lots'")
-job("probe_timeout_inf", edit(VRAM, VRAM + "\n  probe_timeout: .inf"), "fitfinder.probe_timeout: must be between 1 and 86400, got inf")
+job("probe_timeout_inf", edit(VRAM, VRAM + "\n  probe_timeout: .inf"),
+    "fitfinder.probe_timeout: must be between 1 and 86400, got inf")
 job("probe_timeout_zero", edit(VRAM, VRAM + "\n  probe_timeout: 0"), "fitfinder.probe_timeout: must be between")
 job("trials_zero", edit(VRAM, VRAM + "\n  trials: 0"), "fitfinder.trials: must be between 1 and 100000")
-job("probe_steps_1e400", edit(VRAM, VRAM + "\n  probe_steps: 1e400"), "fitfinder.probe_steps: must be between 1 and 100000, got inf")
+job("probe_steps_1e400", edit(VRAM, VRAM + "\n  probe_steps: 1e400"),
+    "fitfinder.probe_steps: must be between 1 and 100000, got inf")
 job("unknown_setting", edit(VRAM, VRAM + "\n  turbo: true"), "fitfinder.turbo: unknown key")
 job("weights_maybe", edit("weights: random", "weights: maybe"), "fitfinder.weights: expected `random` or `pretrained`")
 job("sample_size_0x0", edit("sample_size: [256x256]", 'sample_size: ["0x0"]'),
@@ -360,7 +365,8 @@ CASES["dashboard_foreign_database"] = Case(["dashboard", "sqlite:///someone_else
                                            setup=_someone_elses_db)
 CASES["dashboard_foreign_file"] = Case(["dashboard", "someone_elses.db", "--port", "0"],
                                        "someone_elses.db: not an Optuna study database", setup=_someone_elses_db)
-CASES["dashboard_missing_url"] = Case(["dashboard", "sqlite:///new.db"], "sqlite:///new.db: no such file; give --create")
+CASES["dashboard_missing_url"] = Case(["dashboard", "sqlite:///new.db"],
+                                      "sqlite:///new.db: no such file; give --create")
 CASES["dashboard_unreachable_server"] = Case(["dashboard", "postgresql://fitfinder@127.0.0.1:1/none"],
                                              "postgresql://fitfinder@127.0.0.1:1/none: cannot open it (")
 CASES["dashboard_unknown_driver"] = Case(["dashboard", "nosuchdb://host/x"], "nosuchdb://host/x: cannot open it (")

@@ -33,7 +33,8 @@ def test_every_name_ai_toolkit_accepts_is_read_and_others_are_refused():
     with pytest.raises(ConfigError) as refused:
         jobconfig.loads(tiny_job("flux").dumps().replace("optimizer: adamw", "optimizer: sgd"), "<job>")
     message = str(refused.value)
-    assert "train.optimizer: expected one of adafactor, adam, adamw, adam8bit, adamw8bit, lion, lion8bit, prodigy" in message
+    assert ("train.optimizer: expected one of adafactor, adam, adamw, adam8bit, adamw8bit, lion, lion8bit, prodigy"
+            in message)
 
 
 def test_each_state_has_its_real_shape_and_dtype():

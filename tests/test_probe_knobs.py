@@ -71,7 +71,8 @@ def test_unknown_qtype_optimizer_and_arch_are_reported_by_key():
     with pytest.raises(ConfigError) as raised:
         jobconfig.loads(job.dumps())
     problems = raised.value.problems
-    assert any(p.startswith("config.process[0].train.optimizer: expected one of adafactor, adam, adamw") for p in problems)
+    assert any(p.startswith("config.process[0].train.optimizer: expected one of adafactor, adam, adamw")
+               for p in problems)
     assert any(p.startswith("config.process[0].model.qtype: expected one of qfloat8") for p in problems)
     # hidream is a model fitfinder knows: the job file is fine, the family is refused when probed (below);
     # an unknown arch is a job-file problem (tests/test_models.py).

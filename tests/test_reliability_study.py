@@ -211,7 +211,8 @@ def test_two_searches_started_together_in_a_fresh_folder_share_the_study(tmp_pat
     results = _results(_study(folder))
     probed = [(point, stage) for point, stage, _ in results]
     assert len(probed) == len(set(probed))
-    assert {(point, status) for point, _, status in clean["results"]} <= {(point, status) for point, _, status in results}
+    assert ({(point, status) for point, _, status in clean["results"]}
+            <= {(point, status) for point, _, status in results})
 
 
 def test_a_full_disk_mid_run_gives_one_line_and_a_study_the_rerun_finishes(tmp_path, clean):

@@ -12,7 +12,7 @@ import optuna
 import pytest
 
 from tests import pgserver
-from tests.conftest import cli_env, run_cli
+from tests.conftest import cli_env
 
 
 NAME = "demo_flux_lora"
@@ -84,7 +84,8 @@ def test_three_workers_on_two_machines_share_a_postgres_study(postgres, workdir,
 @pytest.mark.slow
 def test_a_killed_worker_is_replaced_and_its_trial_retried(workdir, demo_run):
     search = subprocess.Popen([sys.executable, "-m", "fitfinder", "search", "configs/demo.yaml", "--workers", "3",
-                               "--force"], cwd=workdir, env=cli_env(**FAST_HEARTBEAT), stdout=subprocess.PIPE, text=True)
+                               "--force"], cwd=workdir, env=cli_env(**FAST_HEARTBEAT), stdout=subprocess.PIPE,
+                              text=True)
     pids = {}
     for line in search.stdout:  # "fitfinder: worker 2 (pid 1234) on the CPU"
         if line.startswith("fitfinder: worker"):
@@ -97,7 +98,8 @@ def test_a_killed_worker_is_replaced_and_its_trial_retried(workdir, demo_run):
     while killed_trial is None and time.monotonic() < deadline:
         time.sleep(0.2)
         for trial in optuna.load_study(study_name=NAME, storage=storage).trials:
-            if trial.state == optuna.trial.TrialState.RUNNING and trial.user_attrs.get("worker", "").endswith(f":{victim}"):
+            if (trial.state == optuna.trial.TrialState.RUNNING
+                    and trial.user_attrs.get("worker", "").endswith(f":{victim}")):
                 os.kill(victim, signal.SIGKILL)
                 killed_trial = trial
                 break
@@ -109,7 +111,8 @@ def test_a_killed_worker_is_replaced_and_its_trial_retried(workdir, demo_run):
     study = optuna.load_study(study_name=NAME, storage=storage)
     dead = study.trials[killed_trial.number]
     assert dead.state == optuna.trial.TrialState.FAIL  # failed by a live worker: its process is gone
-    assert dead.user_attrs["status"] == "abandoned" and f"no process {victim} on this machine" in dead.user_attrs["error"]
+    assert (dead.user_attrs["status"] == "abandoned"
+            and f"no process {victim} on this machine" in dead.user_attrs["error"])
     retries = [t for t in study.trials if t.system_attrs.get("failed_trial") == dead.number]
     assert len(retries) == 1 and retries[0].params == dead.params
     assert retries[0].state.is_finished() and retries[0].user_attrs.get("status") in ("ok", "oom")

@@ -2,12 +2,9 @@
 
 import csv
 import json
-import math
-import os
 import signal
 import subprocess
 import sys
-import time
 
 import optuna
 import pytest
@@ -68,12 +65,13 @@ def test_killed_search_resumes_without_rerunning_finished_trials(workdir):
     lines = []
     for line in search.stdout:  # wait until three trials are done
         lines.append(line)
-        if sum(l.startswith("trial") for l in lines) == 3:
+        if sum(seen.startswith("trial") for seen in lines) == 3:
             break
     search.send_signal(signal.SIGKILL)
     search.wait()
     storage = f"sqlite:///{workdir / 'studies' / 'demo_flux_lora.db'}"
-    before = {t.number: t.datetime_complete for t in optuna.load_study(study_name="demo_flux_lora", storage=storage).trials
+    before = {t.number: t.datetime_complete
+              for t in optuna.load_study(study_name="demo_flux_lora", storage=storage).trials
               if t.state.is_finished()}
     assert len(before) >= 3
 

@@ -107,8 +107,8 @@ def test_the_table_compares_each_phase_and_says_what_fit(tmp_path):
     assert lines[3].split()[-1] == "+0.0%"
     assert lines[4].endswith("23.00 GiB  29.00 GiB  ran out")  # the failed allocation under the cap: no peak
     assert lines[5].split()[-4:] == ["-", "18.00", "GiB", "-"]  # after the failure: the estimate alone
-    assert "512 capped: probe fits 24 GiB (peak 20.00 GiB); estimate fits (peak 21.00 GiB) [probe 61 s, estimate 19 s]" \
-        in lines
+    assert ("512 capped: probe fits 24 GiB (peak 20.00 GiB); estimate fits (peak 21.00 GiB) [probe 61 s, estimate 19 s]"
+            in lines)
     assert "1024 capped: probe does not fit 24 GiB: ran out in train; estimate does not fit: over in train " \
            "(peak 29.00 GiB)" in lines
     assert "512 bf16: probe no probe result; estimate peak 34.00 GiB" in lines
@@ -138,10 +138,12 @@ case "$*" in
     echo "Stand-in GPU: context 500 MiB" >&2 ;;
   "-m fitfinder estimate"*)
     echo "$*" >> "$CALLS"
-    echo "{\\"fits\\": true, \\"peak_bytes\\": $((21 * GiB)), \\"phases\\": {\\"load\\": $((21 * GiB)), \\"train\\": $((15 * GiB))}}" ;;
+    echo "{\\"fits\\": true, \\"peak_bytes\\": $((21 * GiB)), \
+\\"phases\\": {\\"load\\": $((21 * GiB)), \\"train\\": $((15 * GiB))}}" ;;
   "-m fitfinder probe"*)
     echo "$*" >> "$CALLS"
-    echo "{\\"meter\\": \\"cuda meter on Stand-in GPU\\", \\"status\\": \\"ok\\", \\"peak_bytes\\": $((20 * GiB)), \\"phases\\": {\\"load\\": $((20 * GiB)), \\"train\\": $((16 * GiB))}}" ;;
+    echo "{\\"meter\\": \\"cuda meter on Stand-in GPU\\", \\"status\\": \\"ok\\", \
+\\"peak_bytes\\": $((20 * GiB)), \\"phases\\": {\\"load\\": $((20 * GiB)), \\"train\\": $((16 * GiB))}}" ;;
   "-m pytest"*)
     echo "$*" >> "$CALLS"
     echo "..."

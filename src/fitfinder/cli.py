@@ -70,7 +70,8 @@ def search(
     results_dir: Path = typer.Option(Path("results"), "--results-dir", help="Where results/NAME/ goes."),
     force: bool = typer.Option(False, "--force", help="Search even if the GPU preflight finds the card not clean, "
                                                      "or with more --workers than CPU cores."),
-    workers: int = typer.Option(1, "--workers", help="Worker processes on the CPU (sim meter); with --gpu: one per GPU."),
+    workers: int = typer.Option(1, "--workers",
+                                help="Worker processes on the CPU (sim meter); with --gpu: one per GPU."),
     worker: bool = typer.Option(False, "--worker", hidden=True, help="Run as one worker of a launched search."),
     prescreen: Optional[bool] = typer.Option(
         None, "--prescreen/--no-prescreen",
@@ -273,7 +274,8 @@ def _estimate_search(job, runner, model, out) -> None:
         out.line(f"estimate {result.trial:3d}  {stage:<9} {space.describe(result.point)}  {verdict}  "
                  f"{usage_bar(result.peak_bytes, budget)}")
 
-    out.note(f"estimating the search of {job.source}: {model.describe()}; budget {format_bytes(job.settings.vram_bytes)}")
+    out.note(f"estimating the search of {job.source}: {model.describe()}; "
+             f"budget {format_bytes(job.settings.vram_bytes)}")
     found = estimating.search(job, runner, model, on_estimate)
     out.result(found.as_json())
     space = found.space
@@ -288,7 +290,8 @@ def _estimate_search(job, runner, model, out) -> None:
              f"{format_bytes(found.budget_bytes)}  ({found.estimates_run} estimates"
              f"{'' if found.proven else ', not proven: estimate cap reached'})")
     for other in found.alternatives:
-        out.line(f"  as good, also predicted to fit: {space.describe(other.point)}  peak {format_bytes(other.peak_bytes)}")
+        out.line(f"  as good, also predicted to fit: {space.describe(other.point)}  "
+                 f"peak {format_bytes(other.peak_bytes)}")
     if found.alternatives:
         out.line("  (speed is not estimated: which of these is fastest, a probe on the card tells)")
 
@@ -325,7 +328,8 @@ def tiers(
     out.note(f"estimating {job_file} for {len(sizes)} card sizes: {model.describe()}")
 
     def on_tier(space, tier) -> None:
-        found = f"peak {format_bytes(tier.peak_bytes)}  {tier.differs or 'the job as written'}" if tier.point else "nothing fits"
+        found = (f"peak {format_bytes(tier.peak_bytes)}  {tier.differs or 'the job as written'}" if tier.point
+                 else "nothing fits")
         out.note(f"{tier.label}: {found}")
 
     table = tiering.compute(job, estimating.InProcess(job.settings.probe_timeout), model, sizes, on_tier)

@@ -147,7 +147,8 @@ AITK_NUM_WORKERS = 2
 
 # (pattern, setting, where it comes from). The last match wins, except buckets and frames: the largest.
 LOG_SETTINGS: tuple[tuple[str, str, str], ...] = (
-    (r"batch size per device / バッチサイズ: (\d+)", "batch", "kohya sd-scripts and musubi-tuner at 'running training'"),
+    (r"batch size per device / バッチサイズ: (\d+)", "batch",
+     "kohya sd-scripts and musubi-tuner at 'running training'"),
     (r"Instantaneous batch size per device = (\d+)", "batch", "diffusers example scripts at 'Running training'"),
     (r"--train_batch_size[= ](\d+)", "batch", "a command line (kohya sd-scripts, diffusers examples)"),
     (r"勾配を合計するステップ数 = (\d+)", "accumulation", "kohya sd-scripts and musubi-tuner at 'running training'"),
@@ -398,7 +399,8 @@ class Diagnosis:
         out.append(f"  first change: {self.first_change}")
         out += [f"  note: {note}" for note in self.notes]
         if self.written:
-            out.append(f"  wrote {self.written}: " + "; ".join(f"{k}: {_yaml(o)} -> {_yaml(n)}" for k, o, n in self.changes))
+            out.append(f"  wrote {self.written}: "
+                       + "; ".join(f"{k}: {_yaml(o)} -> {_yaml(n)}" for k, o, n in self.changes))
         if self.next_step:
             out.append(f"  next: {self.next_step}")
         return out
@@ -424,7 +426,8 @@ TRAINER_MARKERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("onetrainer", ("OneTrainer", "GenericTrainer", "modules/modelSetup", "modules\\modelSetup"),
      "Nerogar/OneTrainer paths and classes"),
     ("simpletuner", ("SimpleTuner", "simpletuner", "helpers/training/trainer.py"), "bghira/SimpleTuner paths"),
-    ("diffusion-pipe", ("diffusion-pipe", "deepspeed/runtime/pipe"), "tdrussell/diffusion-pipe on DeepSpeed's pipeline"),
+    ("diffusion-pipe", ("diffusion-pipe", "deepspeed/runtime/pipe"),
+     "tdrussell/diffusion-pipe on DeepSpeed's pipeline"),
     ("kohya", ("train_network.py", "学習開始", "train_util.py", "sd-scripts", "kohya_ss"),
      "kohya-ss/sd-scripts scripts and messages, and the folders of its kohya_ss GUI"),
     ("diffusers", ("***** Running training *****", "Running validation...", "train_dreambooth",

@@ -559,7 +559,8 @@ def _candidates(value: Any) -> dict[str, list]:
     out = {}
     for name, values in value.items():
         if name not in KNOB_NAMES:
-            raise UserError(f"fitfinder.candidates.{one_line(name, 60)}: unknown knob; known knobs are {', '.join(KNOB_NAMES)}")
+            raise UserError(f"fitfinder.candidates.{one_line(name, 60)}: unknown knob; "
+                            f"known knobs are {', '.join(KNOB_NAMES)}")
         if not isinstance(values, list) or not values:
             raise UserError(f"fitfinder.candidates.{name}: expected a non-empty list, got {brief(values)}")
         out[str(name)] = _plain(values)
@@ -571,7 +572,8 @@ def _priorities(value: Any) -> list[str]:
         raise UserError(f"fitfinder.priorities: expected a list of knob names, got {brief(value)}")
     unknown = [v for v in value if v not in KNOB_NAMES]
     if unknown:
-        raise UserError(f"fitfinder.priorities: unknown knob {brief(unknown[0])}; known knobs are {', '.join(KNOB_NAMES)}")
+        raise UserError(f"fitfinder.priorities: unknown knob {brief(unknown[0])}; "
+                        f"known knobs are {', '.join(KNOB_NAMES)}")
     return list(value)
 
 

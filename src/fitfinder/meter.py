@@ -643,7 +643,8 @@ class CudaMeter(_PhaseClock):
 
     def describe(self) -> str:
         name = torch.cuda.get_device_name(self.device)
-        text = f"cuda meter on {name} ({format_bytes(self.total_bytes)}, {format_bytes(self.outside_bytes)} outside PyTorch)"
+        text = (f"cuda meter on {name} ({format_bytes(self.total_bytes)}, "
+                f"{format_bytes(self.outside_bytes)} outside PyTorch)")
         if self.emulated:
             text += (f", emulating a {format_bytes(self.budget_bytes)} card: PyTorch capped at "
                      f"{format_bytes(self.cap_bytes)}")

@@ -139,7 +139,8 @@ def usage_bar(peak_bytes: int | None, budget_bytes: int | None, width: int = 10)
         return format_bytes(peak_bytes)
     share = peak_bytes / budget_bytes
     filled = min(width, round(share * width))
-    return f"{format_bytes(peak_bytes)} / {format_bytes(budget_bytes)} [{'#' * filled}{'-' * (width - filled)}] {share:.0%}"
+    return (f"{format_bytes(peak_bytes)} / {format_bytes(budget_bytes)} "
+            f"[{'#' * filled}{'-' * (width - filled)}] {share:.0%}")
 
 
 # -- the live table -----------------------------------------------------------------------------

@@ -191,7 +191,8 @@ def calibrate(index: int, folder: Path | None = None) -> tuple[GpuOverhead, Path
         done = subprocess.run([sys.executable, str(script), str(index)], capture_output=True, text=True,
                               timeout=CALIBRATE_TIMEOUT_S, env=env)
     except subprocess.TimeoutExpired:
-        raise RunFailed(f"calibrating GPU {index} took more than {CALIBRATE_TIMEOUT_S:g} s; is the card hung?") from None
+        raise RunFailed(f"calibrating GPU {index} took more than {CALIBRATE_TIMEOUT_S:g} s; "
+                        "is the card hung?") from None
     measured = parse_measurement(done.stdout, done.stderr)
     model = from_measurement(measured)
     return model, save(model, measured, folder), measured

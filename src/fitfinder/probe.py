@@ -452,7 +452,6 @@ def _train(pipe, request: dict, prompts: dict, result: dict, ema=None):
     """Training steps (LoRA or full) over the shape schedule; the optimizer steps every
     `accumulation` micro-steps, the EMA follows each optimizer step.
     Returns the optimizer, whose state outlives the phase (previews happen during training)."""
-    import torch
     import torch.nn.functional as F
 
     _maybe_fault(request.get("fault"))

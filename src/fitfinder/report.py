@@ -328,7 +328,8 @@ def _explanation_section(space: Space, known, rows: list[dict[str, Any]], winner
 
 def _tiers_section(found: dict[str, Any]) -> str:
     """tiers.json beside the report (`fitfinder tiers`): the best point predicted per card size."""
-    body = "".join("<tr>" + "".join(f"<td>{_e(cell)}</td>" for cell in row) + "</tr>" for row in tiers.rows(found["tiers"]))
+    body = "".join("<tr>" + "".join(f"<td>{_e(cell)}</td>" for cell in row) + "</tr>"
+                   for row in tiers.rows(found["tiers"]))
     return ("<section id='tiers'><h2>Card sizes: the best configuration predicted to fit each</h2>"
             f"<p class='note'>From <code>fitfinder tiers</code> on estimates ({_e(found.get('overhead'))}; "
             f"{_e(found.get('estimates'))} estimates), not probes: confirm a tier on its card.</p>"

@@ -364,7 +364,8 @@ def _speed_stage(space: Space, known: Knowledge, quality: Point, decided: list) 
             maximal.append(line(lo))
     for point in maximal:
         surely_slower = any(other != point and space.heavier_or_equal(other, point) for other in maximal)
-        if not surely_slower and not any(r.verdict == FIT and not r.extra.get("predicted") for r in known.probed(point)):
+        if not surely_slower and not any(r.verdict == FIT and not r.extra.get("predicted")
+                                         for r in known.probed(point)):
             return point  # fits by dominance (or by a prediction), but its speed is not measured yet
     return None
 

@@ -243,7 +243,8 @@ def _buckets(job: JobFile, override: list | None, video: bool) -> Knob:
                                  f"got {brief(entry)}")
             sets.append(sorted(set(entry)))
     # Memory follows the largest bucket; more buckets at the same size cost no memory, only coverage.
-    labels = sorted({bucket_label(s) for s in sets}, key=lambda l: (max(bucket_list(l)), len(bucket_list(l))))
+    labels = sorted({bucket_label(s) for s in sets},
+                    key=lambda label: (max(bucket_list(label)), len(bucket_list(label))))
     return Knob("buckets", "quality", tuple(labels), bucket_label(desired), ("datasets[*].resolution",), _DATA)
 
 
@@ -421,7 +422,8 @@ def _sample_size(job: JobFile, override: list | None, video: bool) -> Knob | Non
         # Half and three quarters of the desired size, keeping the aspect, on a 64-pixel grid.
         sizes = {desired}
         for scale in (0.5, 0.75):
-            sizes.add(sample_size_label(max(64, round(width * scale / 64) * 64), max(64, round(height * scale / 64) * 64)))
+            sizes.add(sample_size_label(max(64, round(width * scale / 64) * 64),
+                                        max(64, round(height * scale / 64) * 64)))
     else:
         sizes = set(_with_desired([str(v) for v in override], desired, _sample_size_ok,
                                   f"sizes such as 512x512 (each side from 1 to {PIXELS[1]})"))

@@ -151,7 +151,8 @@ def open_study(url: str, name: str, space: Space, setup: dict[str, Any]):
         if _is_storage_error(exc):
             raise UserError(f"study {name!r} in {url}: cannot open it: {_first_line(exc)}") from None
         raise
-    if stored is not None and (stored != signature or study.user_attrs.get("budget_bytes") != setup.get("budget_bytes")):
+    if stored is not None and (stored != signature
+                               or study.user_attrs.get("budget_bytes") != setup.get("budget_bytes")):
         raise UserError(
             f"study {name!r} in {url} was made for a different job or budget; "
             f"use --study with a new name, or delete the study to start over"
