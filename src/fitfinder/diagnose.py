@@ -1,6 +1,6 @@
 """A failed run's log -> which OOM, when, whose fault, and the one change to make first.
 
-The answer is the table of the OOM guides (../shared/seeds/, docs/diagnose.md): when it crashed
+The answer is the table of the OOM guides (the seed guides, summarised in docs/diagnose.md): when it crashed
 -> most likely cause -> first change. "When" comes from the log (oom.scan_log): before step 1 (and
 in which phase), during a sample, in steps 1-10, later, or intermittently. The first change is the
 first step of the guides' rollback order for that moment that the job has not taken yet; with
