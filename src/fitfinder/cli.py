@@ -565,15 +565,12 @@ def cuda_device_count() -> int:
         return 0
 
 
-MAX_NAME = 100  # studies/NAME.db and results/NAME/ must stay file names (255 bytes at most)
-
-
 def _study_name(name: str) -> str:
-    """A name safe as a file name: studies/NAME.db, results/NAME/."""
+    """A name safe as a file name: studies/NAME.db, results/NAME/ (its length: study.check_name)."""
+    from fitfinder import study
+
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") or "study"
-    if len(safe) > MAX_NAME:
-        raise UserError(f"study name {safe[:20]}...: {len(safe)} characters, at most {MAX_NAME}; "
-                        "shorten config.name or give --study NAME")
+    study.check_name(safe)
     return safe
 
 

@@ -61,15 +61,16 @@ from fitfinder.space import Point, Space
 METRICS = ("quality", "seconds_per_sample")
 
 
-MAX_NAME = 200  # studies/NAME.db.lock and results/NAME/ must stay under a file system's 255 bytes
+MAX_NAME = 100  # studies/NAME.db(.lock) and results/NAME/ must stay file names (255 bytes at most)
 
 
 def check_name(name: str) -> None:
     """A study name that can be a file name here, or one line saying why not (before anything is
-    written, and not as a --storage error the user never gave)."""
+    written, and not as a --storage error the user never gave). The one rule: the CLI's names
+    (cli._study_name) and a search started from Python both pass through it."""
     if len(name.encode()) > MAX_NAME:
-        raise UserError(f"study name {name[:40]!r}... is {len(name.encode())} bytes long, more than the "
-                        f"{MAX_NAME} a file name allows here; give a shorter one with --study NAME")
+        raise UserError(f"study name {name[:20]}...: {len(name.encode())} characters, at most {MAX_NAME}; "
+                        "shorten config.name or give --study NAME")
 
 
 def storage_url(name: str, studies_dir: Path, storage: str | None) -> str:
