@@ -83,15 +83,16 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
     quantize_te = job.get("model.quantize_te", None)
     if quantize_te is None:  # AI Toolkit: quantize_te defaults to quantize
         quantize_te = job.get("model.quantize")
-    # The families probed here quantize their T5/UMT5 encoder with model.qtype, not qtype_te (see
-    # models.Family.quantized_text_encoders).
     qtype = str(job.get("model.qtype")).split("|")[0].strip().lower()
     bits = jobconfig.qtype_bits(qtype)[0]
+    # Which key gives the text encoders' qtype is the family's (models.Family.te_qtype_key).
+    qtype_te = str(job.get(f"model.{family.te_qtype_key}")).split("|")[0].strip().lower()
+    bits_te = jobconfig.qtype_bits(qtype_te)[0]
     return {
         "model": spec,
         "dtype": jobconfig.DTYPES[str(job.get("train.dtype")).lower()],
         "quantize": bits if job.get("model.quantize") else None, "quant_type": qtype,
-        "quantize_te": bits if quantize_te else None, "quant_type_te": qtype,
+        "quantize_te": bits_te if quantize_te else None, "quant_type_te": qtype_te,
         "low_vram": bool(job.get("model.low_vram")),
         "text_encoder": _text_encoder_mode(job),
         "cache_latents": _latents_cached(job),
@@ -104,7 +105,7 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
         "optimizer_params": json.loads(json.dumps(job.get("train.optimizer_params", None) or {})),
         "ema_decay": _ema_decay(job),
         "lr": float(job.get("train.lr")),
-        "trained": _trained_denoisers(job, family),
+        "trained": family.trained_denoisers(job),
         "switch_every": int(job.get("train.switch_boundary_every")),
         "sample": _sample_settings(job, family.video),
         # AI Toolkit counts a step per micro-batch with gradient_accumulation_steps and samples on
@@ -159,21 +160,6 @@ def _shapes(job, video: bool) -> list[list[int]]:
         for resolution in resolutions if isinstance(resolutions, list) else [resolutions]:
             shapes.add((int(resolution), int(frames) if video else 1))
     return [list(shape) for shape in sorted(shapes)]
-
-
-def _trained_denoisers(job, family) -> list[str]:
-    """Denoisers with a LoRA: Wan 2.2's high-noise (transformer) and low-noise (transformer_2) experts."""
-    if len(family.denoisers) == 1:
-        return list(family.denoisers)
-    wanted = {"transformer": job.get("model.model_kwargs.train_high_noise"),
-              "transformer_2": job.get("model.model_kwargs.train_low_noise")}
-    trained = [name for name in family.denoisers if wanted.get(name, True) is not False]
-    if not trained:
-        from fitfinder.errors import UserError
-
-        raise UserError(f"{job.source}: config.process[0].model.model_kwargs: train_high_noise and "
-                        "train_low_noise are both false; nothing would be trained")
-    return trained
 
 
 def _sample_settings(job, video: bool) -> dict[str, Any]:

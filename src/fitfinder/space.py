@@ -258,20 +258,18 @@ def _apply_buckets(job: JobFile, label: str, space: Space) -> None:
 
 
 # -- frames: datasets[*].num_frames (video) -------------------------------------------------------
-def frame_ladder(desired: int) -> list[int]:
-    """Clip lengths of the 4k+1 form video VAEs want, halving k: 81 -> 41, 21, 9(k=2), 5, 1."""
-    values, k = [desired], (desired - 1) // 4
-    while k > 0:
-        k //= 2
-        values.append(4 * k + 1)
-    return sorted(set(values))
+def frame_ladder(job: JobFile, desired: int) -> list[int]:
+    """Clip lengths the family's VAE wants, down from `desired` (Wan: 4k+1, halving k: 81 -> 41, 21, 9, 5, 1)."""
+    from fitfinder.models import frame_ladder
+
+    return frame_ladder(job, desired)
 
 
 def _frames(job: JobFile, override: list | None, video: bool) -> Knob | None:
     desired = max(int(f) for f in job.get("datasets[*].num_frames"))
     if not video and desired == 1:
         return None
-    values = frame_ladder(desired) if override is None else _with_desired(
+    values = frame_ladder(job, desired) if override is None else _with_desired(
         override, desired, lambda v: int_in(v, *FRAMES), f"frame counts from 1 to {FRAMES[1]}")
     return Knob("frames", "quality", tuple(sorted(values)), desired, ("datasets[*].num_frames",), _DATA)
 
@@ -446,7 +444,7 @@ def _sample_frames(job: JobFile, override: list | None, video: bool) -> Knob | N
     desired = int(job.get("sample.num_frames"))
     if desired == 1 or job.get("train.disable_sampling"):
         return None
-    values = frame_ladder(desired) if override is None else _with_desired(
+    values = frame_ladder(job, desired) if override is None else _with_desired(
         override, desired, lambda v: int_in(v, *FRAMES), f"frame counts from 1 to {FRAMES[1]}")
     return Knob("sample_frames", "quality", tuple(sorted(values)), desired, ("sample.num_frames",), _PREVIEW)
 

@@ -21,65 +21,37 @@ building and running the parts lives in the private modules, imported by probe c
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
-from dataclasses import dataclass
+import pkgutil
 from pathlib import Path
 from typing import Any
 
 from fitfinder.errors import UserError
+from fitfinder.models._family import Family
 
 ARCH_DIR = Path(__file__).resolve().parent.parent / "archs"
 
 
-@dataclass(frozen=True)
-class Family:
-    """The parts of one kind of pipeline, by diffusers folder name, and where its LoRA goes."""
-
-    name: str
-    denoisers: tuple[str, ...]
-    text_encoders: tuple[str, ...]
-    classes: dict[str, str]  # part -> "library.ClassName"
-    lora_blocks: str  # regex of the module names whose Linear layers the LoRA trains
-    video: bool = False
-    # What AI Toolkit's loader quantizes (AI Toolkit commit 27a03a91): `model.quantize` the
-    # denoiser(s) unless the loader never does (SDXL's branch of toolkit/stable_diffusion_model.py
-    # load_model has no quantize call); `model.quantize_te` these encoders, with `model.qtype`
-    # (Flux: T5 in load_model; Wan: UMT5 in toolkit/models/wan21/wan21.py load_model). CLIP never.
-    quantized_denoisers: bool = True
-    quantized_text_encoders: tuple[str, ...] = ()
-
-    @property
-    def parts(self) -> tuple[str, ...]:
-        return (*self.denoisers, *self.text_encoders, "vae")
+# -- the registry: every public module of this package is a family (see models/_family.py) --------
+def _family_modules() -> dict[str, Family]:
+    """Each `models/NAME.py` (no leading underscore) declares `FAMILY`; no torch is imported here."""
+    found = {}
+    for module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if not module.name.startswith("_"):
+            family = importlib.import_module(f"{__name__}.{module.name}").FAMILY
+            assert family.name == module.name, f"models/{module.name}.py declares family {family.name!r}"
+            found[family.name] = family
+    return found
 
 
-_WAN = {"transformer": "diffusers.WanTransformer3DModel", "text_encoder": "transformers.UMT5EncoderModel",
-        "vae": "diffusers.AutoencoderKLWan"}
-# LoRA targets follow AI Toolkit's LoRA networks: every Linear layer inside the denoiser's blocks
-# (Flux: attention, MLP and modulation of both block kinds; SDXL: the transformer blocks of the
-# UNet's attentions; Wan: attention and feed-forward of every block).
-FAMILIES: dict[str, Family] = {
-    "flux": Family("flux", ("transformer",), ("text_encoder", "text_encoder_2"),
-                   {"transformer": "diffusers.FluxTransformer2DModel", "text_encoder": "transformers.CLIPTextModel",
-                    "text_encoder_2": "transformers.T5EncoderModel", "vae": "diffusers.AutoencoderKL"},
-                   r"(single_)?transformer_blocks\.\d+\..*", quantized_text_encoders=("text_encoder_2",)),
-    "sdxl": Family("sdxl", ("unet",), ("text_encoder", "text_encoder_2"),
-                   {"unet": "diffusers.UNet2DConditionModel", "text_encoder": "transformers.CLIPTextModel",
-                    "text_encoder_2": "transformers.CLIPTextModelWithProjection", "vae": "diffusers.AutoencoderKL"},
-                   r"(down_blocks|up_blocks)\.\d+\.attentions\.\d+\..*|mid_block\.attentions\.\d+\..*",
-                   quantized_denoisers=False),
-    "wan21": Family("wan21", ("transformer",), ("text_encoder",), _WAN, r"blocks\.\d+\..*", video=True,
-                    quantized_text_encoders=("text_encoder",)),
-    "wan22": Family("wan22", ("transformer", "transformer_2"), ("text_encoder",),
-                    {**_WAN, "transformer_2": "diffusers.WanTransformer3DModel"}, r"blocks\.\d+\..*", video=True,
-                    quantized_text_encoders=("text_encoder",)),
-}
-# AI Toolkit's `model.arch` values (the part before a ':' such as in 'wan21:14b') -> family.
-ARCH_VALUES = {
-    "flux": "flux", "flex1": "flux", "sdxl": "sdxl", "wan21": "wan21", "wan21_1b": "wan21", "wan21_14b": "wan21",
-    "wan22_14b": "wan22",
-    # Known to AI Toolkit and shipped in archs/, but no family module probes them yet (issues 15, 16).
+FAMILIES: dict[str, Family] = _family_modules()
+
+# Models AI Toolkit trains that no family module probes yet (issues 15, 16): named here so a job
+# of one is told so by name. A family module that claims one of these names takes precedence, so
+# adding a family needs no edit here (delete its rows when you add it, to keep this list honest).
+_TO_COME_ARCH_VALUES = {
     "flux_kontext": "flux_kontext", "flex2": "flex2", "chroma": "chroma", "hidream": "hidream",
     "qwen_image": "qwen_image", "qwen_image_edit": "qwen_image", "qwen_image_edit_plus": "qwen_image",
     "sd3": "sd3", "lumina2": "lumina2", "omnigen2": "omnigen2",
@@ -87,8 +59,22 @@ ARCH_VALUES = {
     "wan21_i2v": "wan21_i2v", "wan22_14b_i2v": "wan22_i2v", "wan22_5b": "wan22_5b",
     "ltx2": "ltx2", "ltx2.3": "ltx2", "ltx2.5": "ltx2",
 }
-# AI Toolkit's family flags (its ModelConfig turns `is_v3` into arch sd3 and `is_lumina2` into lumina2).
-FLAGS = {"is_flux": "flux", "is_xl": "sdxl", "is_v3": "sd3", "is_lumina2": "lumina2"}
+# AI Toolkit's ModelConfig turns `is_v3` into arch sd3 and `is_lumina2` into lumina2.
+_TO_COME_FLAGS = {"is_v3": "sd3", "is_lumina2": "lumina2"}
+_TO_COME_NAME_HINTS = {
+    "flux2": "flux2", "kontext": "flux_kontext", "flex2": "flex2", "chroma": "chroma", "hidream": "hidream",
+    "qwenimage": "qwen_image", "lumina": "lumina2", "omnigen": "omnigen2", "stablediffusion3": "sd3",
+    "sd35": "sd3", "zimage": "zimage", "ltx2": "ltx2", "ti2v": "wan22_5b", "wan22ti2v": "wan22_5b",
+    "wan225b": "wan22_5b", "wan22i2v": "wan22_i2v", "wan21i2v": "wan21_i2v",
+}
+
+# AI Toolkit's `model.arch` values (the part before a ':' such as in 'wan21:14b') -> family.
+ARCH_VALUES = {**_TO_COME_ARCH_VALUES, **{value: f.name for f in FAMILIES.values() for value in f.arch_values}}
+# AI Toolkit's family flags (`model.is_flux: true`) -> family.
+FLAGS = {**_TO_COME_FLAGS, **{flag: f.name for f in FAMILIES.values() for flag in f.flags}}
+# Substrings of a compacted lowercase model name -> family; the longest one a name holds decides
+# (FLUX.2 is not FLUX.1, Wan2.2-TI2V is not Wan 2.2 A14B).
+NAME_HINTS = {**_TO_COME_NAME_HINTS, **{hint: f.name for f in FAMILIES.values() for hint in f.name_hints}}
 
 
 # -- which model (no torch needed) ---------------------------------------------------------------
@@ -142,28 +128,26 @@ def _supported() -> str:
 
 
 def _family_from_name(name: str) -> str | None:
-    """A guess from a local folder's or a fine-tune's name, most specific first (FLUX.2 is not FLUX.1)."""
+    """A guess from a local folder's or a fine-tune's name: the family of the longest hint it holds."""
     compact = name.replace(".", "").replace("-", "").replace("_", "")
-    for needle, family in _NAME_HINTS:
-        if needle in compact:
-            return family
-    return None
+    held = [hint for hint in NAME_HINTS if hint in compact]
+    return NAME_HINTS[max(held, key=len)] if held else None
 
 
-# Substrings of a compacted lowercase name -> family, the more specific before the ones they contain.
-_NAME_HINTS = (
-    ("flux2", "flux2"), ("kontext", "flux_kontext"), ("flex2", "flex2"), ("flex1", "flux"), ("chroma", "chroma"),
-    ("flux", "flux"), ("hidream", "hidream"), ("qwenimage", "qwen_image"), ("lumina", "lumina2"),
-    ("omnigen", "omnigen2"), ("stablediffusion3", "sd3"), ("sd35", "sd3"), ("zimage", "zimage"),
-    ("ltx2", "ltx2"), ("ti2v", "wan22_5b"), ("wan225b", "wan22_5b"), ("wan22i2v", "wan22_i2v"),
-    ("wan21i2v", "wan21_i2v"), ("wan22", "wan22"), ("wan21", "wan21"), ("xl", "sdxl"),
-)
+def family_for(job) -> Family:
+    """The job's family declaration (see family_of)."""
+    return FAMILIES[family_of(job)]
 
 
 def is_video(job) -> bool:
     """Video jobs have a frames knob: a video family, or any dataset with more than one frame."""
     frames = [int(f) for f in job.get("datasets[*].num_frames")]
-    return FAMILIES[family_of(job)].video or any(f > 1 for f in frames)
+    return family_for(job).video or any(f > 1 for f in frames)
+
+
+def frame_ladder(job, desired: int) -> list[int]:
+    """The clip lengths the frames knob walks down from `desired`: the family's VAE's own ladder."""
+    return family_for(job).frame_ladder(desired)
 
 
 def model_spec(job) -> dict[str, Any]:
@@ -256,21 +240,16 @@ def arch_from_folder(path: Path, family: str) -> dict:
     parts = {part: _config_of(path / part / "config.json") for part in spec.parts}
     arch = {"family": family, "names": [str(path)], "text_seq_len": _text_seq_len(path, family), "parts": parts}
     index = _json_or_empty(path / "model_index.json")
-    if family == "wan22":
-        arch["boundary_ratio"] = index.get("boundary_ratio", 0.875)  # Wan 2.2 A14B's published value
+    arch.update({key: index.get(key, default) for key, default in spec.index_defaults.items()})
     return arch
 
 
-# Sequence length of the long-prompt encoder when the folder does not say: what the diffusers
-# pipelines pass by default (FluxPipeline and WanPipeline: max_sequence_length=512); CLIP: 77.
-DEFAULT_TEXT_SEQ_LEN = {"flux": 512, "sdxl": 77, "wan21": 512, "wan22": 512}
-
-
 def _text_seq_len(path: Path, family: str) -> int:
-    """The long-prompt tokenizer's model_max_length (tokenizer_2 for Flux, tokenizer for Wan)."""
-    default = DEFAULT_TEXT_SEQ_LEN[family]
-    folder = {"flux": "tokenizer_2", "wan21": "tokenizer", "wan22": "tokenizer"}.get(family)
-    length = _json_or_empty(path / folder / "tokenizer_config.json").get("model_max_length") if folder else None
+    """The long-prompt tokenizer's model_max_length (the family's `tokenizer` folder), else its default."""
+    spec = FAMILIES[family]
+    default = spec.text_seq_len
+    length = _json_or_empty(path / spec.tokenizer / "tokenizer_config.json").get("model_max_length") \
+        if spec.tokenizer else None
     # transformers writes a huge sentinel when a tokenizer has no limit; the pipeline's default holds then.
     return int(length) if isinstance(length, int) and 0 < length <= default else default
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from fitfinder.models import FAMILIES, _fake
-from fitfinder.models._families import Inputs, for_family
+from fitfinder.models._common import Inputs
 from fitfinder.models._weights import build_part, lora_targets, quantize
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -29,7 +29,7 @@ class Pipeline:
         self.parts: dict[str, torch.nn.Module] = {}
         self.on_device: set[str] = set()
         self.inputs = Inputs(meter.device, self.dtype, settings.get("seed", 0), int(self.arch.get("text_seq_len", 512)))
-        self.recipe = for_family(self.family.name, self.arch, self.inputs)
+        self.recipe = self.family.recipe(self.arch, self.inputs)
 
     def place(self, wanted: set[str]) -> None:
         """Exactly the loaded parts in `wanted` on the device: leaving parts go first, then arriving ones."""

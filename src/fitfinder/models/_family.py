@@ -1,0 +1,76 @@
+"""What a family module declares (no torch): its parts, names, placement, and where its recipe is.
+
+A family module (`models/NAME.py`, public name, no leading underscore) holds two things:
+
+    FAMILY = Family(name="NAME", ...)   # this declaration: data, importable without torch
+    class Recipe:                        # what it computes, built by probe children only;
+        ...                              # its methods import torch (see models/flux.py)
+
+The registry in `models/__init__.py` finds every such module; nothing else names a family.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+from fitfinder.errors import UserError
+
+
+@dataclass(frozen=True)
+class Family:
+    """The parts of one kind of pipeline, by diffusers folder name, and how AI Toolkit treats them."""
+
+    name: str  # the family's key: its module's name and the `family` of its archs/*.json
+    denoisers: tuple[str, ...]  # the parts that train, in AI Toolkit's load order
+    text_encoders: tuple[str, ...]
+    classes: dict[str, str]  # part -> "library.ClassName" (diffusers or transformers), the VAE included
+    lora_blocks: str  # regex of the module names whose Linear layers the LoRA trains
+    # How a job names this family, as AI Toolkit resolves it: `model.arch` values (the part
+    # before a ':' as in 'wan21:14b'; the first is what tests write), `model.is_*` flags, and
+    # substrings of a compacted lowercase model name (the longest match among all families wins).
+    arch_values: tuple[str, ...] = ()
+    flags: tuple[str, ...] = ()
+    name_hints: tuple[str, ...] = ()
+    # Video: the datasets' num_frames and sample.num_frames are knobs; clips are frame_step*k+1 long.
+    video: bool = False
+    frame_step: int = 4
+    # What AI Toolkit's loader quantizes: `model.quantize` the denoiser(s) unless it never does;
+    # `model.quantize_te` these encoders, with the qtype read from `model.<te_qtype_key>`.
+    quantized_denoisers: bool = True
+    quantized_text_encoders: tuple[str, ...] = ()
+    te_qtype_key: str = "qtype"
+    # Prompt length of the long-prompt encoder when a diffusers folder's tokenizer does not say,
+    # and that tokenizer's folder (None: CLIP only, 77).
+    text_seq_len: int = 512
+    tokenizer: str | None = None
+    # Keys a diffusers folder's model_index.json lends the arch, with their defaults (Wan 2.2's boundary).
+    index_defaults: dict = field(default_factory=dict)
+    # Denoiser -> `model.model_kwargs` key that turns its training off (Wan 2.2's two experts).
+    expert_switches: dict = field(default_factory=dict)
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return (*self.denoisers, *self.text_encoders, "vae")
+
+    def frame_ladder(self, desired: int) -> list[int]:
+        """Clip lengths of the frame_step*k+1 form, halving k: 81 -> 41, 21, 9(k=2), 5, 1 for step 4."""
+        values, k = [desired], (desired - 1) // self.frame_step
+        while k > 0:
+            k //= 2
+            values.append(self.frame_step * k + 1)
+        return sorted(set(values))
+
+    def trained_denoisers(self, job) -> list[str]:
+        """The denoisers that get a LoRA: all, but those whose `expert_switches` key is false."""
+        kwargs = job.get("model.model_kwargs", None) or {}
+        trained = [name for name in self.denoisers if kwargs.get(self.expert_switches.get(name, ""), True) is not False]
+        if not trained:
+            keys = " and ".join(self.expert_switches.values())
+            raise UserError(f"{job.source}: config.process[0].model.model_kwargs: {keys} are both false; "
+                            "nothing would be trained")
+        return trained
+
+    def recipe(self, arch: dict, inputs):
+        """The family's computation (imports torch): its module's `Recipe(arch, inputs)`."""
+        return importlib.import_module(f"fitfinder.models.{self.name}").Recipe(arch, inputs)

@@ -1,0 +1,92 @@
+"""FLUX.1 (dev, schnell, Flex.1): pooled CLIP + T5 sequence, 16-channel latents packed 2x2 into
+tokens, guidance embedded when the transformer has guidance_embeds (dev, Flex), none for schnell.
+
+AI Toolkit: toolkit/stable_diffusion_model.py (load_model's is_flux branch; commit 27a03a91).
+"""
+
+from __future__ import annotations
+
+from fitfinder.models._family import Family
+
+# LoRA targets follow AI Toolkit's LoRA network (toolkit/lora_special.py): every Linear layer of
+# both block kinds (attention, MLP, modulation). Quantization (load_model): the transformer with
+# model.qtype, T5 with model.qtype too; CLIP never.
+FAMILY = Family(
+    name="flux",
+    denoisers=("transformer",),
+    text_encoders=("text_encoder", "text_encoder_2"),
+    classes={"transformer": "diffusers.FluxTransformer2DModel", "text_encoder": "transformers.CLIPTextModel",
+             "text_encoder_2": "transformers.T5EncoderModel", "vae": "diffusers.AutoencoderKL"},
+    lora_blocks=r"(single_)?transformer_blocks\.\d+\..*",
+    arch_values=("flux", "flex1"),
+    flags=("is_flux",),
+    name_hints=("flux", "flex1"),
+    quantized_text_encoders=("text_encoder_2",),
+    text_seq_len=512,  # FluxPipeline's max_sequence_length
+    tokenizer="tokenizer_2",
+)
+
+
+class Recipe:
+    """What FLUX.1 computes; built by probe children (its methods import torch)."""
+
+    def __init__(self, arch: dict, inputs):
+        vae = arch["parts"]["vae"]
+        self.inputs = inputs
+        self.scale_factor = 2 ** (len(vae["block_out_channels"]) - 1)
+        self.latent_channels = vae["latent_channels"]
+        self.scaling, self.shift = vae.get("scaling_factor", 0.3611), vae.get("shift_factor", 0.1159)
+        self.guidance_embeds = bool(arch["parts"]["transformer"].get("guidance_embeds"))
+        self.divisor = self.scale_factor * 2  # latents are packed 2x2
+
+    def encode_prompts(self, parts, batch) -> dict:
+        clip, t5 = parts["text_encoder"], parts["text_encoder_2"]
+        pooled = clip(input_ids=self.inputs.clip_ids(clip.config, batch)).pooler_output
+        text = t5(input_ids=self.inputs.t5_ids(t5.config, batch)).last_hidden_state
+        dtype = self.inputs.dtype
+        return {"pooled_projections": pooled.to(dtype), "encoder_hidden_states": text.to(dtype)}
+
+    def latent_shape(self, height, width, frames, batch):
+        return (batch, self.latent_channels, height // self.scale_factor, width // self.scale_factor)
+
+    def pixels(self, height, width, frames, batch):
+        from fitfinder.models._common import image_pixels
+
+        return image_pixels(self.inputs, height, width, batch)
+
+    def encode_images(self, vae, pixels):
+        return (vae.encode(pixels).latent_dist.sample() - self.shift) * self.scaling
+
+    def decode(self, vae, latents):
+        return vae.decode(latents / self.scaling + self.shift).sample
+
+    def noisy_and_target(self, latents, noise, t):
+        from fitfinder.models._common import flow_noisy_and_target
+
+        return flow_noisy_and_target(latents, noise, t)
+
+    def predict(self, denoiser, latents, t, cond, guidance_scale: float = 1.0):
+        """One transformer call: latents packed 2x2 into tokens as FluxPipeline packs them."""
+        import torch
+
+        from fitfinder.models._common import batched
+
+        device, dtype = self.inputs.device, self.inputs.dtype
+        batch, channels, height, width = latents.shape
+        rows, cols = height // 2, width // 2
+        tokens = latents.view(batch, channels, rows, 2, cols, 2).permute(0, 2, 4, 1, 3, 5)
+        tokens = tokens.reshape(batch, rows * cols, channels * 4)
+        image_ids = torch.zeros(rows, cols, 3, device=device, dtype=dtype)
+        image_ids[..., 1] = torch.arange(rows, device=device)[:, None]
+        image_ids[..., 2] = torch.arange(cols, device=device)[None, :]
+        cond = batched(cond, batch)
+        text_ids = torch.zeros(cond["encoder_hidden_states"].shape[1], 3, device=device, dtype=dtype)
+        guidance = torch.full((batch,), guidance_scale, device=device, dtype=dtype) if self.guidance_embeds else None
+        out = denoiser(hidden_states=tokens, timestep=t, guidance=guidance, img_ids=image_ids.view(-1, 3),
+                       txt_ids=text_ids, return_dict=False, **cond)[0]
+        out = out.view(batch, rows, cols, channels, 2, 2).permute(0, 3, 1, 4, 2, 5)
+        return out.reshape(batch, channels, height, width)
+
+    def guided(self, denoiser, latents, t, cond, uncond, guidance_scale):
+        # FLUX.1-dev is guidance-distilled: the scale is an input, one call per step, no negative.
+        return self.predict(denoiser, latents, t, cond, guidance_scale)

@@ -1,0 +1,29 @@
+"""Wan 2.2 T2V A14B: Wan 2.1's computation on two experts, the high-noise transformer above the
+boundary ratio and the low-noise transformer_2 below it, trained in turns.
+
+AI Toolkit: extensions_built_in/diffusion_models/wan22/wan22_14b_model.py (Wan2214bModel:
+train_high_noise / train_low_noise in model_kwargs, boundary_ratio_t2v 0.875; commit 27a03a91).
+"""
+
+from __future__ import annotations
+
+from fitfinder.models import wan21
+from fitfinder.models._family import Family
+from fitfinder.models.wan21 import Recipe  # noqa: F401  the same computation, per expert
+
+FAMILY = Family(
+    name="wan22",
+    denoisers=("transformer", "transformer_2"),
+    text_encoders=("text_encoder",),
+    classes={**wan21.CLASSES, "transformer_2": "diffusers.WanTransformer3DModel"},
+    lora_blocks=wan21.FAMILY.lora_blocks,
+    arch_values=("wan22_14b",),
+    name_hints=("wan22",),
+    video=True,
+    frame_step=4,
+    quantized_text_encoders=("text_encoder",),
+    text_seq_len=512,
+    tokenizer="tokenizer",
+    index_defaults={"boundary_ratio": 0.875},  # Wan 2.2 A14B's published value
+    expert_switches={"transformer": "train_high_noise", "transformer_2": "train_low_noise"},
+)
