@@ -82,13 +82,19 @@ def workdir(tmp_path: Path) -> Path:
 
 
 # -- tiny jobs, one per family: the real part classes at toy widths, random weights ----------------
-ARCH_VALUES = {"flux": "flux", "sdxl": "sdxl", "wan21": "wan21", "wan22": "wan22_14b"}
-TINY = {  # training bucket, frames, preview size and frames: fast, and every phase has work to do
-    "flux": {"resolution": 256, "frames": 1, "sample": 256, "sample_frames": 1},
-    "sdxl": {"resolution": 256, "frames": 1, "sample": 256, "sample_frames": 1},
-    "wan21": {"resolution": 64, "frames": 9, "sample": 64, "sample_frames": 5},
-    "wan22": {"resolution": 64, "frames": 9, "sample": 64, "sample_frames": 5},
-}
+# Every family of the registry gets one: its first `model.arch` value, its tiny arch
+# (archs/FAMILY-tiny.json, named "fitfinder/FAMILY-tiny"), and a job sized by whether it is video.
+TINY_IMAGE = {"resolution": 256, "frames": 1, "sample": 256, "sample_frames": 1}
+TINY_VIDEO = {"resolution": 64, "frames": 9, "sample": 64, "sample_frames": 5}
+
+
+def tiny_sizes(family: str) -> dict:
+    """Training bucket, frames, preview size and frames: fast, and every phase has work to do."""
+    from fitfinder.models import FAMILIES
+
+    return TINY_VIDEO if FAMILIES[family].video else TINY_IMAGE
+
+
 TINY_JOB = """\
 job: extension
 config:
@@ -113,8 +119,10 @@ def tiny_job(family: str, changes: dict | None = None, name: str | None = None, 
     """The tiny job of a family, with `changes` ({key path: value}) applied as the search would."""
     from fitfinder import jobconfig
 
-    text = TINY_JOB.format(family=family, arch=ARCH_VALUES[family], name=name or f"fitfinder/{family}-tiny",
-                           weights=weights, **TINY[family])
+    from fitfinder.models import FAMILIES
+
+    text = TINY_JOB.format(family=family, arch=FAMILIES[family].arch_values[0],
+                           name=name or f"fitfinder/{family}-tiny", weights=weights, **tiny_sizes(family))
     job = jobconfig.loads(text, f"<tiny {family} job>")
     job.process["datasets"].extend(more_datasets or [])
     for path, value in (changes or {}).items():

@@ -2,6 +2,8 @@
 
 Each test runs real probes in fresh processes against a simulated budget; the sim meter is exact
 and repeatable, so the budgets below are computed from a free run and the outcomes asserted exactly.
+Every test is parametrised over the registry (models.FAMILIES): a new family module with its
+tiny arch (archs/FAMILY-tiny.json) gets all of them, video ones included when it is video.
 """
 
 import json
@@ -11,7 +13,8 @@ import pytest
 from fitfinder.models import FAMILIES, known_archs
 
 pytestmark = pytest.mark.slow
-FAMILY_NAMES = ("flux", "sdxl", "wan21", "wan22")
+FAMILY_NAMES = tuple(FAMILIES)
+VIDEO_FAMILIES = tuple(name for name, family in FAMILIES.items() if family.video)
 ALL_PHASES = ["load", "text_encoder", "latents", "sample", "train", "last_sample"]
 STEPS = 3  # the heaviest shape at the first, middle and last step
 
@@ -40,19 +43,21 @@ def test_every_phase_runs_and_has_a_peak(run, family):
 
 # Previews larger than the training bucket, so the preview is the heaviest phase.
 BIG_PREVIEW = {
-    "flux": {"datasets[0].resolution": 128, "sample.width": 384, "sample.height": 384},
-    "sdxl": {"datasets[0].resolution": 128, "sample.width": 384, "sample.height": 384},
-    "wan21": {"sample.width": 96, "sample.height": 96, "sample.num_frames": 9},
-    "wan22": {"datasets[0].num_frames": 5, "sample.width": 96, "sample.height": 96, "sample.num_frames": 9},
+    "image": {"datasets[0].resolution": 128, "sample.width": 384, "sample.height": 384},
+    "video": {"datasets[0].num_frames": 5, "sample.width": 96, "sample.height": 96, "sample.num_frames": 9},
 }
+
+
+def _kind(family: str) -> str:
+    return "video" if FAMILIES[family].video else "image"
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_a_budget_between_the_train_and_the_sample_peak_runs_out_in_the_sample(run, family):
-    free = run(family, BIG_PREVIEW[family])["phases"]
+    free = run(family, BIG_PREVIEW[_kind(family)])["phases"]
     others = max(peak for name, peak in free.items() if name not in ("sample", "last_sample"))
     assert free["train"] < free["sample"] and others < free["sample"]
-    result = run(family, BIG_PREVIEW[family], budget=_between(others, free["sample"]))
+    result = run(family, BIG_PREVIEW[_kind(family)], budget=_between(others, free["sample"]))
     assert (result["status"], result["phase"], result["oom_kind"]) == ("oom", "sample", "config")
     assert list(result["phases"]) == ["load", "text_encoder", "latents", "sample"]  # training never started
     assert result["steps_run"] == 0
@@ -67,7 +72,7 @@ def test_a_budget_under_the_load_peak_runs_out_at_load(run, family):
     assert "out of memory" in result["error"]
 
 
-@pytest.mark.parametrize("family", ["wan21", "wan22"])
+@pytest.mark.parametrize("family", VIDEO_FAMILIES)
 def test_a_clip_longer_than_the_budget_runs_out_although_every_other_shape_fits(run, family):
     short = {"datasets[0].resolution": [64, 96], "datasets[0].num_frames": 5, "train.disable_sampling": True}
     # A second dataset of 17-frame clips at the smallest bucket: its clips are the longest.
@@ -87,7 +92,7 @@ LIGHT = {"train.gradient_checkpointing": False, "train.disable_sampling": True}
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_train_peak_grows_with_resolution_batch_and_frames_and_shrinks_with_checkpointing(run, family):
-    resolution = {"flux": 128, "sdxl": 128, "wan21": 64, "wan22": 64}[family]
+    resolution = {"image": 128, "video": 64}[_kind(family)]
 
     def train_peak(**changes):
         result = run(family, {**LIGHT, "datasets[0].resolution": resolution, **changes}, steps=2)
@@ -125,10 +130,27 @@ def _save_pipeline(arch: dict, family: str, folder):
         torch.manual_seed(1)
         model = cls.from_config(config) if library == "diffusers" else cls(cls.config_class(**config))
         model.save_pretrained(folder / part)
-    tokenizer = {"flux": "tokenizer_2", "wan21": "tokenizer", "wan22": "tokenizer"}.get(family)
+    tokenizer = FAMILIES[family].tokenizer
     if tokenizer:  # the long-prompt tokenizer's length is the one setting a folder holds outside configs
         (folder / tokenizer).mkdir()
         (folder / tokenizer / "tokenizer_config.json").write_text(
             json.dumps({"model_max_length": arch["text_seq_len"]}))
     (folder / "model_index.json").write_text(json.dumps({"_class_name": "pipeline", "_diffusers_version": "0.42"}))
     return folder
+
+
+# -- the estimate: the same recipe on fake tensors, equal to the sim meter to the byte ---------------
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_the_estimate_equals_the_sim_meter_to_the_byte_in_every_phase(family):
+    from fitfinder import estimate, probe
+    from fitfinder.overhead import GpuOverhead
+    from tests.conftest import tiny_job
+
+    runner = probe.ProbeRunner(timeout_s=300)
+    request = probe.request_for(tiny_job(family), STEPS, "sim", None)
+    sim, fake = runner.run(request), runner.run(estimate.as_estimate(request, GpuOverhead.none()))
+    assert sim["status"] == fake["status"] == "ok", (sim.get("error"), fake.get("error"))
+    assert list(sim["phase_stats"]) == list(fake["phase_stats"]) == ALL_PHASES
+    measured = {phase: stats["peak_allocated"] for phase, stats in sim["phase_stats"].items()}
+    estimated = {phase: stats["peak_live"] for phase, stats in fake["phase_stats"].items()}
+    assert estimated == measured

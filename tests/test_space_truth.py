@@ -9,6 +9,7 @@ as it was, and must not lower the phases it claims.
 import pytest
 
 from fitfinder import space as spaces
+from fitfinder.models import FAMILIES
 from tests.conftest import tiny_job
 
 pytestmark = pytest.mark.slow
@@ -16,13 +17,14 @@ pytestmark = pytest.mark.slow
 # Desired points with every other knob free. Quantization and the 8-bit optimizer are left out:
 # on toy widths what bitsandbytes keeps beside quantized numbers (int8 activation copies, code
 # books, block scales: a few KiB) outweighs what it saves, which real widths do not.
+IMAGE = {"datasets[0].resolution": [128, 256], "network.linear": 16, "network.linear_alpha": 16,
+         "train.batch_size": 2, "train.gradient_checkpointing": False, "sample.width": 256, "sample.height": 256}
+VIDEO = {"datasets[0].resolution": [48, 64], "datasets[0].num_frames": 9, "train.batch_size": 2,
+         "train.gradient_checkpointing": False, "sample.num_frames": 9}
+# One job per family of the registry (a new family module gets it), and a full fine-tune with EMA
+# (the ema knob), as AI Toolkit's Flex example.
 JOBS = {
-    "flux": {"datasets[0].resolution": [128, 256], "network.linear": 16, "network.linear_alpha": 16,
-             "train.batch_size": 2, "train.gradient_checkpointing": False, "sample.width": 256,
-             "sample.height": 256},
-    "wan21": {"datasets[0].resolution": [48, 64], "datasets[0].num_frames": 9, "train.batch_size": 2,
-              "train.gradient_checkpointing": False, "sample.num_frames": 9},
-    # a full fine-tune with EMA (the ema knob), as AI Toolkit's Flex example
+    **{name: VIDEO if family.video else IMAGE for name, family in FAMILIES.items()},
     "flux_full": {"datasets[0].resolution": [128, 256], "train.batch_size": 2, "train.gradient_checkpointing": False,
                   "train.optimizer": "adafactor", "train.dtype": "bf16", "train.ema_config": {"use_ema": True},
                   "sample.width": 256, "sample.height": 256},
