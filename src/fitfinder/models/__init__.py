@@ -1,5 +1,9 @@
 """Model families: which one a job trains, its architecture, where its weights come from.
 
+Each family is one module of this package (`flux`, `sdxl`, `wan21`, `wan22`): its declaration
+`FAMILY` (models/_family.py; no torch) and its `Recipe` (what it computes; probe children only).
+The registry below finds them; this module resolves a job's model to one as AI Toolkit does.
+
 A family is the set of parts of a diffusers pipeline that a LoRA training holds in memory: the
 denoiser(s), the text encoder(s) and the VAE, by their diffusers folder names. A job's model
 comes either from real weights (`model.name_or_path`: a local diffusers folder or the Hugging
