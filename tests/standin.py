@@ -102,13 +102,20 @@ def run_plan(space: spaces.Space, budget: int, margin: float = 0.05, max_probes:
 
 
 def true_optimum(space: spaces.Space, budget: int, margin: float = 0.05):
-    """Brute force: the best quality that fits, then the fewest seconds per sample."""
+    """Brute force: the best quality that fits, then the fewest seconds per sample; speeds within
+    the search's noise floor of the fastest are a tie, won by the lowest peak."""
+    from fitfinder.search import SPEED_NOISE_FLOOR
+
     limit = int(budget * (1 - margin))
     feasible = [p for p in space.points() if outcome(p, budget)["status"] == "ok"
                 and outcome(p, budget)["peak_bytes"] <= limit]
     if not feasible:
         return None
-    return max(feasible, key=lambda p: (space.quality_key(p), -seconds_per_step(p) / p.get("batch", 1)))
+    top = max(space.quality_key(p) for p in feasible)
+    best_quality = [p for p in feasible if space.quality_key(p) == top]
+    fastest = min(seconds_per_step(p) / p.get("batch", 1) for p in best_quality)
+    ties = [p for p in best_quality if seconds_per_step(p) / p.get("batch", 1) <= fastest * (1 + SPEED_NOISE_FLOOR)]
+    return min(ties, key=lambda p: (outcome(p, budget)["peak_bytes"], seconds_per_step(p) / p.get("batch", 1)))
 
 
 def simulate_workers(space: spaces.Space, budget: int, workers: int):

@@ -210,3 +210,31 @@ def test_probes_that_each_fit_one_phase_prove_a_point_they_never_ran():
     state, witness = known.decider(both)
     assert state == search.FIT and witness.trial == 1
     assert known.state({**both, "gradient_checkpointing": False}) is None  # no witness for that training
+
+
+def test_speeds_within_the_timing_noise_are_a_tie_won_by_the_most_memory_to_spare():
+    space = make_space()
+    known = search.Knowledge(space, 100 * MiB)
+    light = {**space.desired(), "gradient_checkpointing": True}
+    heavy = {**space.desired(), "gradient_checkpointing": False}
+
+    def add(trial, point, seconds, peak, noise):
+        result = search.Result(trial=trial, point=point, status="ok", peak_bytes=peak, seconds_per_sample=seconds,
+                               phases={"train": peak}, extra={"timing_noise": noise})
+        known.add(result)
+
+    add(0, heavy, 1.00, 90 * MiB, 0.0)
+    add(1, light, 1.02, 60 * MiB, 0.0)  # 2% slower: within the 3% floor
+    assert search.best(space, known).point == light
+    known = search.Knowledge(space, 100 * MiB)
+    add(0, heavy, 1.00, 90 * MiB, 0.0)
+    add(1, light, 1.10, 60 * MiB, 0.0)  # 10% slower, and the timings were steady: speed wins
+    assert search.best(space, known).point == heavy
+    known = search.Knowledge(space, 100 * MiB)
+    add(0, heavy, 1.00, 90 * MiB, 0.08)
+    add(1, light, 1.07, 60 * MiB, 0.0)  # the fast probe's timing was noisy by 8%: a tie
+    assert search.best(space, known).point == light
+    known = search.Knowledge(space, 100 * MiB)
+    add(0, heavy, 1.00, 90 * MiB, 0.40)
+    add(1, light, 1.20, 60 * MiB, 0.0)  # however noisy, a tie never gives up more than 10% of speed
+    assert search.best(space, known).point == heavy

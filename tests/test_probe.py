@@ -94,3 +94,16 @@ def test_shape_schedule_weighs_frames_with_pixels():
     schedule = probe.shape_schedule([[64, 5], [96, 5], [64, 17]], 7)
     assert schedule[0] == schedule[3] == schedule[6] == (64, 17)
     assert set(schedule) == {(64, 5), (96, 5), (64, 17)}
+
+
+def test_step_timing_takes_medians_per_shape_so_one_slow_step_moves_nothing():
+    schedule = probe.shape_schedule([[256, 1], [512, 1]], 12)
+    quiet = [2.0 if shape == (512, 1) else 1.0 for shape in schedule]
+    quiet[0] = 9.0  # the first step's one-time costs are left out
+    busy = list(quiet)
+    busy[5] *= 4  # another process took the CPU for one step
+    assert probe.step_timing(schedule, quiet) == (1.5, 0.0)  # the two shapes in turn
+    seconds, noise = probe.step_timing(schedule, busy)
+    assert seconds == 1.5 and noise == 0.0
+    jittery = [t * (1.1 if i % 2 else 0.9) for i, t in enumerate(quiet)]
+    assert probe.step_timing(schedule, jittery)[1] == pytest.approx(0.1, abs=0.01)

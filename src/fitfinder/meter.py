@@ -258,6 +258,10 @@ class _PhaseClock:
     def peak_bytes(self) -> int:
         return max((p["peak_reserved"] for p in self.phases.values()), default=0)
 
+    def step_clock(self) -> float:
+        """Seconds for timing one training step (the meters on the CPU count their own thread's time)."""
+        return time.perf_counter()
+
     def replay_repeated_blocks(self, *parts: torch.nn.Module) -> None:
         """Only the estimate meter replays identical blocks (RepeatedBlocks); real tensors run."""
 
@@ -289,6 +293,12 @@ class SimMeter(_PhaseClock):
 
     def __exit__(self, *exc: Any) -> None:
         self.tracker.__exit__(*exc)
+
+    def step_clock(self) -> float:
+        # The probe computes on this one thread: its CPU time is what a step costs, and other
+        # work on a shared machine does not inflate it as it does wall time (by 3x beside two
+        # CPU-bound processes on two cores, benchmarks/timing_noise.py).
+        return time.thread_time()
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -640,6 +650,10 @@ class CudaMeter(_PhaseClock):
     @property
     def live_bytes(self) -> int:
         return torch.cuda.memory_allocated(self.device)
+
+    def step_clock(self) -> float:
+        torch.cuda.synchronize(self.device)  # a step ends when its kernels do, not when they are queued
+        return time.perf_counter()
 
     def describe(self) -> str:
         name = torch.cuda.get_device_name(self.device)

@@ -43,7 +43,9 @@ step), overhead (the estimate meter's GPU overhead model, see overhead.py).
 
 Result: {"status": "ok"|"oom"|"error"|"timeout", "phase": the phase that failed or None,
 "peak_bytes", "phases": {name: peak bytes}, "phase_stats": {name: {peak_allocated,
-peak_reserved, seconds; estimate: peak_live}}, "seconds_per_step", "steps_run", "error",
+peak_reserved, seconds; estimate: peak_live}}, "seconds_per_step" (medians per shape, see
+`step_timing`), "timing_noise" (its relative noise), "step_seconds" (each step's, by the meter's
+step clock), "step_wall_seconds", "steps_run", "error",
 "oom_kind", "meter", "outside_bytes" (cuda: memory outside PyTorch's allocator, included in
 every peak; estimate: the modelled CUDA context), "max_rss_bytes" and "cpu_seconds" (host
 memory of the probe process at its highest, and its CPU time)}.
@@ -57,6 +59,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import sys
 import time
 import traceback
@@ -454,13 +457,14 @@ def _train(pipe, request: dict, prompts: dict, result: dict, ema=None):
     schedule = shape_schedule(request["shapes"], steps)
     middle = steps // 2
     heaviest_steps = {0, middle, steps - 1}
-    timings = []
+    timings, walls = [], []
+
     def expert_at(step: int) -> str:
         # Two experts take turns every `switch_every` steps (AI Toolkit's switch_boundary_every).
         return trained[(step // max(1, request["switch_every"])) % len(trained)]
 
     for step, (resolution, frames) in enumerate(schedule):
-        start = time.perf_counter()
+        start, wall_start = pipe.meter.step_clock(), time.perf_counter()
         expert = expert_at(step)
         pipe.place(resident("train", request, pipe.family, active=expert))
         side = _accepted_size(pipe, resolution)
@@ -480,11 +484,35 @@ def _train(pipe, request: dict, prompts: dict, result: dict, ema=None):
             if ema is not None:
                 ema.update()
             pipe.meter.register(optimizer)
-        timings.append(time.perf_counter() - start)
+        timings.append(pipe.meter.step_clock() - start)
+        walls.append(time.perf_counter() - wall_start)
         result["steps_run"] = step + 1
-    steady = timings[1:] or timings  # the first step pays one-time costs
-    result["seconds_per_step"] = round(sum(steady) / len(steady), 5)
+    result["step_seconds"] = [round(t, 5) for t in timings]
+    result["step_wall_seconds"] = [round(t, 5) for t in walls]
+    result["seconds_per_step"], result["timing_noise"] = step_timing(schedule, timings)
     return optimizer
+
+
+def step_timing(schedule: list[tuple[int, int]], timings: list[float]) -> tuple[float, float]:
+    """Seconds per step of a run that cycles its shapes evenly, and the timing's relative noise.
+
+    The first step pays one-time costs and is left out. Each shape's steps are summarised by
+    their median, so one step slowed by other work on the machine moves nothing; the shapes are
+    then averaged as a run meets them, in turn. The noise is the largest relative median
+    absolute deviation of a shape's steps (0 where no shape was timed three times): how far two
+    probes' speeds can differ by chance alone.
+    """
+    steady = list(zip(schedule, timings))[1:] or list(zip(schedule, timings))
+    by_shape: dict[tuple[int, int], list[float]] = {}
+    for shape, seconds in steady:
+        by_shape.setdefault(shape, []).append(seconds)
+    medians, noise = [], 0.0
+    for seconds in by_shape.values():
+        middle = statistics.median(seconds)
+        medians.append(middle)
+        if len(seconds) >= 3 and middle > 0:
+            noise = max(noise, statistics.median(abs(s - middle) for s in seconds) / middle)
+    return round(sum(medians) / len(medians), 5), round(noise, 4)
 
 
 def _prime_optimizer(pipe, request: dict, optimizer, keep_gradients: bool) -> None:

@@ -380,12 +380,39 @@ def _switch_settings(switches: list) -> list[Point]:
     return [s for *_, s in sorted(settings, key=lambda t: (t[0], t[1]))]
 
 
+# Two speeds closer than this share, or than the probes' own timing noise up to SPEED_NOISE_CAP,
+# are a tie: a tie never gives up more than the cap's share of speed for memory.
+SPEED_NOISE_FLOOR = 0.03
+SPEED_NOISE_CAP = 0.10
+
+
 def best(space: Space, known: Knowledge) -> Result | None:
-    """The highest-quality point that fits; among equals the fewest seconds per sample."""
+    """The highest-quality point that fits; among equals the fewest seconds per sample, and
+    among speeds within the timings' noise the one with the most memory to spare.
+
+    On a busy machine one probe's timing can be off by more than two settings differ; a tie
+    broken by memory keeps the answer from resting on that noise, and spare memory is what a
+    long run needs when something else takes a share of the card.
+    """
     fits = known.fits()
     if not fits:
         return None
-    return max(fits, key=lambda r: (space.quality_key(r.point), -(r.seconds_per_sample or math.inf)))
+    top = max(space.quality_key(r.point) for r in fits)
+    equals = [r for r in fits if space.quality_key(r.point) == top]
+    fastest = min(equals, key=_seconds)
+    if fastest.seconds_per_sample is None:
+        return fastest
+    ties = [r for r in equals if r.seconds_per_sample is not None
+            and r.seconds_per_sample <= fastest.seconds_per_sample * (1 + _noise(fastest, r))]
+    return min(ties, key=lambda r: (r.peak_bytes if r.peak_bytes is not None else math.inf, _seconds(r)))
+
+
+def _seconds(result: Result) -> float:
+    return result.seconds_per_sample if result.seconds_per_sample is not None else math.inf
+
+
+def _noise(*results: Result) -> float:
+    return min(SPEED_NOISE_CAP, max([SPEED_NOISE_FLOOR, *(r.extra.get("timing_noise") or 0.0 for r in results)]))
 
 
 # -- planning on estimates ---------------------------------------------------------------------
@@ -680,7 +707,8 @@ def result_from_probe(trial: int, step: Step, outcome: dict[str, Any]) -> Result
                   seconds_per_sample=round(per_step / batch, 6) if per_step else None,
                   phase=outcome.get("phase"), error=outcome.get("error"),
                   phases=dict(outcome.get("phases") or {}), confirm=step.purpose == "confirm",
-                  extra={"seconds_per_step": per_step, "purpose": step.purpose,
+                  extra={"seconds_per_step": per_step, "timing_noise": outcome.get("timing_noise"),
+                         "purpose": step.purpose,
                          "wall_seconds": outcome.get("wall_seconds"), "estimated": bool(outcome.get("estimated")),
                          "budget_bytes": outcome.get("budget_bytes")})
 

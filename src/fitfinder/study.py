@@ -252,7 +252,8 @@ def result_from_trial(trial, point: Point | None = None) -> Result:
                   peak_bytes=attrs.get("peak_bytes"), seconds_per_sample=attrs.get("seconds_per_sample"),
                   phase=attrs.get("phase"), error=attrs.get("error"), phases=dict(attrs.get("phases") or {}),
                   confirm=attrs.get("purpose") == "confirm",
-                  extra={"seconds_per_step": attrs.get("seconds_per_step"), "purpose": attrs.get("purpose"),
+                  extra={"seconds_per_step": attrs.get("seconds_per_step"), "timing_noise": attrs.get("timing_noise"),
+                         "purpose": attrs.get("purpose"),
                          "wall_seconds": attrs.get("wall_seconds"), "estimated": bool(attrs.get("estimated"))})
 
 
@@ -512,6 +513,7 @@ def _record(study, trial, space, result, probe_result, limit_bytes, purpose) -> 
         "phases": probe_result.get("phases", {}),
         "phase_stats": probe_result.get("phase_stats", {}),
         "seconds_per_step": probe_result.get("seconds_per_step"),
+        "timing_noise": probe_result.get("timing_noise"),
         "seconds_per_sample": result.seconds_per_sample,
         "wall_seconds": probe_result.get("wall_seconds"),
         "error": result.error,
