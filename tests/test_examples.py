@@ -21,10 +21,10 @@ SUPPORTED = {
     "train_full_fine_tune_flex": "flex1-alpha",
     "train_lora_flux_kontext_24gb": "flux-kontext-dev",
     "train_lora_flex2_24gb": "flex2-preview",
+    "train_lora_chroma_24gb": "chroma",
 }
 # Known to fitfinder, with an architecture config, but no family module yet: what the CLI says.
 NOT_YET = {
-    "train_lora_chroma_24gb": ("model.arch 'chroma'", "chroma"),
     "train_lora_hidream_48": ("model.arch 'hidream'", "hidream"),
     "train_lora_qwen_image_24gb": ("model.arch 'qwen_image'", "qwen_image"),
     "train_lora_qwen_image_edit_32gb": ("model.arch 'qwen_image_edit'", "qwen_image"),
@@ -76,7 +76,7 @@ def test_jobs_of_families_to_come_read_and_are_told_so_in_one_line(stem, tmp_pat
     done = run_cli("estimate", str(path), "--vram", "24GiB", cwd=tmp_path)
     assert_one_clean_line(done, f"fitfinder: error: {path}: config.process[0].model: fitfinder knows {model} but "
                                 f"cannot probe the {family} family yet; it supports: "
-                                "flex2, flux, flux_kontext, sdxl, wan21, wan22")
+                                "chroma, flex2, flux, flux_kontext, sdxl, wan21, wan22")
 
 
 @pytest.mark.parametrize("stem", sorted(NO_LORA))
