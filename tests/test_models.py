@@ -44,7 +44,8 @@ def test_an_unknown_model_is_one_line_listing_the_families_without_a_relabelling
         models.family_of(job)
     assert str(raised.value) == (
         "<tiny flux job>: config.process[0].model: fitfinder does not support the model /models/something "
-        "(neither model.arch, an is_* flag nor its name says which it is); it supports: flux, sdxl, wan21, wan22")
+        "(neither model.arch, an is_* flag nor its name says which it is); "
+        "it supports: chroma, flex2, flux, flux_kontext, sdxl, wan21, wan22")
 
 
 @pytest.mark.parametrize("model, told", [
@@ -63,7 +64,7 @@ def test_a_model_fitfinder_knows_but_cannot_probe_yet_is_named_with_its_family(m
     with pytest.raises(UserError) as raised:
         models.family_of(job)
     assert str(raised.value) == (f"<tiny flux job>: config.process[0].model: fitfinder knows {told}; "
-                                 "it supports: flux, sdxl, wan21, wan22")
+                                 "it supports: chroma, flex2, flux, flux_kontext, sdxl, wan21, wan22")
 
 
 @pytest.mark.parametrize("model, family", [
@@ -78,6 +79,21 @@ def test_flux_1_variants_resolve_to_the_flux_family(model, family):
     assert models.family_of(job) == family
 
 
+@pytest.mark.parametrize("model, family", [
+    ({"arch": "flux_kontext"}, "flux_kontext"),
+    ({"name_or_path": "black-forest-labs/FLUX.1-Kontext-dev"}, "flux_kontext"),
+    ({"name_or_path": "/models/flux1-kontext-dev-finetune"}, "flux_kontext"),  # kontext outweighs flux
+    ({"arch": "flex2"}, "flex2"),
+    ({"name_or_path": "/models/my-flex2-finetune"}, "flex2"),
+    ({"arch": "chroma"}, "chroma"),
+    ({"name_or_path": "lodestones/Chroma1-HD"}, "chroma"),
+])
+def test_flux_derived_models_resolve_to_their_own_families(model, family):
+    job = tiny_job("flux")
+    job.process["model"] = model
+    assert models.family_of(job) == family
+
+
 def test_an_unknown_arch_is_reported_by_the_job_file_without_a_relabelling_hint():
     from fitfinder import jobconfig
     from fitfinder.errors import ConfigError
@@ -85,7 +101,7 @@ def test_an_unknown_arch_is_reported_by_the_job_file_without_a_relabelling_hint(
     with pytest.raises(ConfigError) as raised:
         jobconfig.loads(tiny_job("flux", {"model.arch": "anima"}).dumps())
     assert raised.value.problems == ["config.process[0].model.arch: fitfinder does not support the model 'anima'; "
-                                     "it supports: flux, sdxl, wan21, wan22"]
+                                     "it supports: chroma, flex2, flux, flux_kontext, sdxl, wan21, wan22"]
 
 
 def test_the_wan22_reference_job_resolves_to_its_family_and_arch():

@@ -312,7 +312,8 @@ def resident(phase: str, request: dict, family, active: str | None = None) -> se
     (toolkit/unloader.py), `unload_text_encoder` moves them to the host after encoding and
     previews bring them back ('generate' places every part, SDTrainer's hook_before_train_loop
     only moves them to the CPU); the latent-caching pass moves all but the VAE off, and cached
-    latents keep the VAE off during training (it comes back for previews). With low_vram only the
+    latents keep the VAE off during training (it comes back for previews), but in a family that
+    encodes a conditioning image at every step (Family.vae_in_train). With low_vram only the
     parts a phase uses, and of two experts only the `active` one.
     """
     encoders = set(family.text_encoders)
@@ -327,7 +328,8 @@ def resident(phase: str, request: dict, family, active: str | None = None) -> se
     if phase == "latents" and cached:
         return {"vae"}
     if phase in ("latents", "train"):
-        return denoisers | kept | (set() if cached and phase == "train" else {"vae"})
+        vae_off = cached and phase == "train" and not family.vae_in_train
+        return denoisers | kept | (set() if vae_off else {"vae"})
     return denoisers | previews | {"vae"}  # sample, last_sample
 
 

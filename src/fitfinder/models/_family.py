@@ -48,6 +48,9 @@ class Family:
     index_defaults: dict = field(default_factory=dict)
     # Denoiser -> `model.model_kwargs` key that turns its training off (Wan 2.2's two experts).
     expert_switches: dict = field(default_factory=dict)
+    # The VAE stays on the device through training although latents are cached: the family encodes
+    # a conditioning image at every step (Kontext's reference, Flex.2's control).
+    vae_in_train: bool = False
 
     @property
     def parts(self) -> tuple[str, ...]:

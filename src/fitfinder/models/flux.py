@@ -71,22 +71,51 @@ class Recipe:
 
         from fitfinder.models._common import batched
 
-        device, dtype = self.inputs.device, self.inputs.dtype
-        batch, channels, height, width = latents.shape
-        rows, cols = height // 2, width // 2
-        tokens = latents.view(batch, channels, rows, 2, cols, 2).permute(0, 2, 4, 1, 3, 5)
-        tokens = tokens.reshape(batch, rows * cols, channels * 4)
-        image_ids = torch.zeros(rows, cols, 3, device=device, dtype=dtype)
-        image_ids[..., 1] = torch.arange(rows, device=device)[:, None]
-        image_ids[..., 2] = torch.arange(cols, device=device)[None, :]
+        batch = latents.shape[0]
+        tokens, ids = pack(latents), image_ids(latents, self.inputs)
         cond = batched(cond, batch)
-        text_ids = torch.zeros(cond["encoder_hidden_states"].shape[1], 3, device=device, dtype=dtype)
-        guidance = torch.full((batch,), guidance_scale, device=device, dtype=dtype) if self.guidance_embeds else None
-        out = denoiser(hidden_states=tokens, timestep=t, guidance=guidance, img_ids=image_ids.view(-1, 3),
+        text_ids = torch.zeros(cond["encoder_hidden_states"].shape[1], 3, device=self.inputs.device,
+                               dtype=self.inputs.dtype)
+        out = denoiser(hidden_states=tokens, timestep=t, guidance=self.guidance(guidance_scale, batch), img_ids=ids,
                        txt_ids=text_ids, return_dict=False, **cond)[0]
-        out = out.view(batch, rows, cols, channels, 2, 2).permute(0, 3, 1, 4, 2, 5)
-        return out.reshape(batch, channels, height, width)
+        return unpack(out, latents.shape)
+
+    def guidance(self, guidance_scale: float, batch: int):
+        """The distilled guidance scale as an input (dev, Flex), or None (schnell)."""
+        import torch
+
+        if not self.guidance_embeds:
+            return None
+        return torch.full((batch,), guidance_scale, device=self.inputs.device, dtype=self.inputs.dtype)
 
     def guided(self, denoiser, latents, t, cond, uncond, guidance_scale):
         # FLUX.1-dev is guidance-distilled: the scale is an input, one call per step, no negative.
         return self.predict(denoiser, latents, t, cond, guidance_scale)
+
+
+# -- packing, shared by the families built on FLUX.1's transformer (flux_kontext, flex2, chroma) ----
+def pack(latents):
+    """(B, C, H, W) latents -> (B, H/2 * W/2, 4C) tokens, 2x2 patches as FluxPipeline._pack_latents."""
+    batch, channels, height, width = latents.shape
+    tokens = latents.view(batch, channels, height // 2, 2, width // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return tokens.reshape(batch, (height // 2) * (width // 2), channels * 4)
+
+
+def unpack(tokens, shape):
+    """The transformer's tokens back to latents of `shape` (B, C, H, W)."""
+    batch, channels, height, width = shape
+    out = tokens.view(batch, height // 2, width // 2, channels, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return out.reshape(batch, channels, height, width)
+
+
+def image_ids(latents, inputs, index: float = 0.0):
+    """Positions (index, row, column) of the packed tokens; `index` tells a reference image apart (Kontext)."""
+    import torch
+
+    _, _, height, width = latents.shape
+    rows, cols = height // 2, width // 2
+    ids = torch.zeros(rows, cols, 3, device=inputs.device, dtype=inputs.dtype)
+    ids[..., 0] = index
+    ids[..., 1] = torch.arange(rows, device=inputs.device)[:, None]
+    ids[..., 2] = torch.arange(cols, device=inputs.device)[None, :]
+    return ids.view(-1, 3)
