@@ -20,6 +20,7 @@ SUPPORTED = {
     "train_lora_wan22_14b_24gb": "wan22-14b",
     "train_full_fine_tune_flex": "flex1-alpha",
     "train_lora_sd35_large_24gb": "sd35-large",
+    "ui_zimage_turbo": "zimage-turbo",
 }
 # Known to fitfinder, with an architecture config, but no family module yet: what the CLI says.
 NOT_YET = {
@@ -75,7 +76,8 @@ def test_jobs_of_families_to_come_read_and_are_told_so_in_one_line(stem, tmp_pat
     model, family = NOT_YET[stem]
     done = run_cli("estimate", str(path), "--vram", "24GiB", cwd=tmp_path)
     assert_one_clean_line(done, f"fitfinder: error: {path}: config.process[0].model: fitfinder knows {model} but "
-                                f"cannot probe the {family} family yet; it supports: flux, sd3, sdxl, wan21, wan22")
+                                f"cannot probe the {family} family yet; it supports: flux, sd3, sdxl, wan21, wan22, "
+                                "zimage")
 
 
 @pytest.mark.parametrize("stem", sorted(NO_LORA))

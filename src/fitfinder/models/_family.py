@@ -51,6 +51,9 @@ class Family:
     # The text encoders of `quantized_text_encoders` follow `model.quantize` instead of `model.quantize_te`
     # (SD3: AI Toolkit's is_v3 loader quantizes T5 whenever it quantizes the transformer).
     te_quantized_with_denoiser: bool = False
+    # Parts AI Toolkit quantizes in host memory (a block at a time on the device) and moves to the
+    # device quantized, with or without low_vram (Z-Image's transformer: OstrisModelMixin.quantize_).
+    quantized_on_host: tuple[str, ...] = ()
 
     @property
     def parts(self) -> tuple[str, ...]:
