@@ -59,16 +59,16 @@ FAMILIES: dict[str, Family] = _family_modules()
 _TO_COME_ARCH_VALUES = {
     "flux_kontext": "flux_kontext", "flex2": "flex2", "chroma": "chroma", "hidream": "hidream",
     "qwen_image": "qwen_image", "qwen_image_edit": "qwen_image", "qwen_image_edit_plus": "qwen_image",
-    "lumina2": "lumina2", "omnigen2": "omnigen2",
+    "omnigen2": "omnigen2",
     "flux2": "flux2", "flux2_klein_4b": "flux2", "flux2_klein_9b": "flux2",
     "wan21_i2v": "wan21_i2v", "wan22_14b_i2v": "wan22_i2v", "wan22_5b": "wan22_5b",
     "ltx2": "ltx2", "ltx2.3": "ltx2", "ltx2.5": "ltx2",
 }
-# AI Toolkit's ModelConfig turns `is_lumina2` into arch lumina2.
-_TO_COME_FLAGS = {"is_lumina2": "lumina2"}
+# AI Toolkit's ModelConfig flags (is_v3, is_lumina2) name families that have their module now.
+_TO_COME_FLAGS: dict[str, str] = {}
 _TO_COME_NAME_HINTS = {
     "flux2": "flux2", "kontext": "flux_kontext", "flex2": "flex2", "chroma": "chroma", "hidream": "hidream",
-    "qwenimage": "qwen_image", "lumina": "lumina2", "omnigen": "omnigen2", "ltx2": "ltx2",
+    "qwenimage": "qwen_image", "omnigen": "omnigen2", "ltx2": "ltx2",
     "ti2v": "wan22_5b", "wan22ti2v": "wan22_5b", "wan225b": "wan22_5b", "wan22i2v": "wan22_i2v",
     "wan21i2v": "wan21_i2v",
 }
