@@ -51,6 +51,12 @@ class Family:
     # The VAE stays on the device through training although latents are cached: the family encodes
     # a conditioning image at every step (Kontext's reference, Flex.2's control).
     vae_in_train: bool = False
+    # The text encoders of `quantized_text_encoders` follow `model.quantize` instead of `model.quantize_te`
+    # (SD3: AI Toolkit's is_v3 loader quantizes T5 whenever it quantizes the transformer).
+    te_quantized_with_denoiser: bool = False
+    # Parts AI Toolkit quantizes in host memory (a block at a time on the device) and moves to the
+    # device quantized, with or without low_vram (Z-Image's transformer: OstrisModelMixin.quantize_).
+    quantized_on_host: tuple[str, ...] = ()
 
     @property
     def parts(self) -> tuple[str, ...]:

@@ -3,8 +3,9 @@
 Loading follows AI Toolkit's order and placement: the denoiser(s) first, then the text
 encoder(s), then the VAE. Without `low_vram` each part goes onto the device as it is loaded and
 is quantized there (the full-precision weights sit on the device until their layer is swapped,
-which is why quantizing a large model can run out of memory at load). With `low_vram` every part
-is loaded and quantized in host memory and comes onto the device only when a phase uses it.
+which is why quantizing a large model can run out of memory at load); a family's `quantized_on_host`
+parts are quantized in host memory and arrive quantized. With `low_vram` every part is loaded and
+quantized in host memory and comes onto the device only when a phase uses it.
 """
 
 from __future__ import annotations
@@ -55,14 +56,15 @@ def load(spec: dict, settings: dict, meter) -> Pipeline:
     low_vram = settings["low_vram"]
     for part in pipe.family.parts:
         qtype = _quantization(pipe.family, part, settings)
+        on_host = low_vram or bool(qtype and part in pipe.family.quantized_on_host)
         with meter.host():
-            module = _build(spec, part, pipe.dtype, "cpu" if low_vram else meter.device, meter)
-            if qtype and low_vram:
+            module = _build(spec, part, pipe.dtype, "cpu" if on_host else meter.device, meter)
+            if qtype and on_host:
                 quantize(module, qtype, meter.repeated)
         pipe.parts[part] = module
         if not low_vram:
             pipe.place(pipe.on_device | {part})
-            if qtype:
+            if qtype and not on_host:
                 quantize(pipe.parts[part], qtype, meter.repeated)
     make_trainable = _add_lora if settings["rank"] else _train_whole
     for name in settings["trained"]:
@@ -85,7 +87,8 @@ def _quantization(family, part: str, settings: dict) -> str | None:
     """The qtype AI Toolkit's loader gives this part, or None (see Family.quantized_*)."""
     if part in family.denoisers and family.quantized_denoisers and settings["quantize"]:
         return settings["quant_type"]
-    if part in family.quantized_text_encoders and settings["quantize_te"]:
+    te_switch = settings["quantize"] if family.te_quantized_with_denoiser else settings["quantize_te"]
+    if part in family.quantized_text_encoders and te_switch:
         return settings["quant_type_te"]
     return None
 
