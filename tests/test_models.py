@@ -31,6 +31,7 @@ def test_family_from_model_arch(changes, family):
     ({"name_or_path": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"}, "wan21"),
     ({"name_or_path": "/models/my-wan2.2-finetune"}, "wan22"),  # the name says it
     ({"arch": "wan21_i2v:14b480p"}, "wan21_i2v"),  # the UI's name:variant form
+    ({"name_or_path": "Wan-AI/Wan2.2-I2V-A14B-Diffusers"}, "wan22_i2v"),
     ({"name_or_path": "/models/my-wan2.2-ti2v-finetune"}, "wan22_5b"),  # ti2v is no A14B
 ])
 def test_family_from_flags_or_name(model, family):
@@ -47,7 +48,7 @@ def test_an_unknown_model_is_one_line_listing_the_families_without_a_relabelling
     assert str(raised.value) == (
         "<tiny flux job>: config.process[0].model: fitfinder does not support the model /models/something "
         "(neither model.arch, an is_* flag nor its name says which it is); it supports: flux, sdxl, "
-        "wan21, wan21_i2v, wan22, wan22_5b")
+        "wan21, wan21_i2v, wan22, wan22_5b, wan22_i2v")
 
 
 @pytest.mark.parametrize("model, told", [
@@ -65,7 +66,7 @@ def test_a_model_fitfinder_knows_but_cannot_probe_yet_is_named_with_its_family(m
     with pytest.raises(UserError) as raised:
         models.family_of(job)
     assert str(raised.value) == (f"<tiny flux job>: config.process[0].model: fitfinder knows {told}; "
-                                 "it supports: flux, sdxl, wan21, wan21_i2v, wan22, wan22_5b")
+                                 "it supports: flux, sdxl, wan21, wan21_i2v, wan22, wan22_5b, wan22_i2v")
 
 
 @pytest.mark.parametrize("model, family", [
@@ -87,7 +88,7 @@ def test_an_unknown_arch_is_reported_by_the_job_file_without_a_relabelling_hint(
     with pytest.raises(ConfigError) as raised:
         jobconfig.loads(tiny_job("flux", {"model.arch": "anima"}).dumps())
     assert raised.value.problems == ["config.process[0].model.arch: fitfinder does not support the model 'anima'; "
-                                     "it supports: flux, sdxl, wan21, wan21_i2v, wan22, wan22_5b"]
+                                     "it supports: flux, sdxl, wan21, wan21_i2v, wan22, wan22_5b, wan22_i2v"]
 
 
 def test_the_wan22_reference_job_resolves_to_its_family_and_arch():
