@@ -18,6 +18,7 @@ SUPPORTED = {
     "train_lora_flex_24gb": "flex1-alpha",
     "train_lora_wan21_14b_24gb": "wan21-14b", "train_lora_wan21_1b_24gb": "wan21-1.3b",
     "train_lora_wan22_14b_24gb": "wan22-14b",
+    "ui_wan21_i2v": "wan21-i2v-14b", "ui_wan22_14b_i2v": "wan22-i2v-14b", "ui_wan22_5b": "wan22-ti2v-5b",
     "train_full_fine_tune_flex": "flex1-alpha",
     "train_lora_flux_kontext_24gb": "flux-kontext-dev",
     "train_lora_flex2_24gb": "flex2-preview",
@@ -33,9 +34,6 @@ NOT_YET = {
     "train_lora_qwen_image_edit_32gb": ("model.arch 'qwen_image_edit'", "qwen_image"),
     "train_lora_qwen_image_edit_2509_32gb": ("model.arch 'qwen_image_edit_plus'", "qwen_image"),
     "train_lora_omnigen2_24gb": ("model.arch 'omnigen2'", "omnigen2"),
-    "ui_wan21_i2v": ("model.arch 'wan21_i2v:14b480p'", "wan21_i2v"),
-    "ui_wan22_14b_i2v": ("model.arch 'wan22_14b_i2v'", "wan22_i2v"),
-    "ui_wan22_5b": ("model.arch 'wan22_5b'", "wan22_5b"),
     "ui_ltx2": ("model.arch 'ltx2'", "ltx2"),
 }
 # Jobs that train an adapter (Redux), neither a LoRA nor the denoiser: refused by the job file's checks.

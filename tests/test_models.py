@@ -37,6 +37,9 @@ def test_family_from_model_arch(changes, family):
     ({"name_or_path": "/models/mine", "is_lumina2": True}, "lumina2"),
     ({"name_or_path": "stabilityai/stable-diffusion-3.5-large"}, "sd3"),
     ({"name_or_path": "Tongyi-MAI/Z-Image-Turbo"}, "zimage"),
+    ({"arch": "wan21_i2v:14b480p"}, "wan21_i2v"),  # the UI's name:variant form
+    ({"name_or_path": "Wan-AI/Wan2.2-I2V-A14B-Diffusers"}, "wan22_i2v"),
+    ({"name_or_path": "/models/my-wan2.2-ti2v-finetune"}, "wan22_5b"),  # ti2v is no A14B
 ])
 def test_family_from_flags_or_name(model, family):
     job = tiny_job("flux")
@@ -56,7 +59,6 @@ def test_an_unknown_model_is_one_line_listing_the_families_without_a_relabelling
 
 @pytest.mark.parametrize("model, told", [
     ({"arch": "qwen_image"}, "model.arch 'qwen_image' but cannot probe the qwen_image family yet"),
-    ({"arch": "wan21_i2v:14b480p"}, "model.arch 'wan21_i2v:14b480p' but cannot probe the wan21_i2v family yet"),
     ({"arch": "ltx2.3"}, "model.arch 'ltx2.3' but cannot probe the ltx2 family yet"),
     ({"name_or_path": "HiDream-ai/HiDream-I1-Full"},
      "HiDream-ai/HiDream-I1-Full (hidream-i1-full) but cannot probe the hidream family yet"),

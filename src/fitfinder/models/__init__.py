@@ -59,17 +59,13 @@ FAMILIES: dict[str, Family] = _family_modules()
 _TO_COME_ARCH_VALUES = {
     "hidream": "hidream",
     "qwen_image": "qwen_image", "qwen_image_edit": "qwen_image", "qwen_image_edit_plus": "qwen_image",
-    "omnigen2": "omnigen2",
-    "flux2": "flux2", "flux2_klein_4b": "flux2", "flux2_klein_9b": "flux2",
-    "wan21_i2v": "wan21_i2v", "wan22_14b_i2v": "wan22_i2v", "wan22_5b": "wan22_5b",
+    "omnigen2": "omnigen2", "flux2": "flux2", "flux2_klein_4b": "flux2", "flux2_klein_9b": "flux2",
     "ltx2": "ltx2", "ltx2.3": "ltx2", "ltx2.5": "ltx2",
 }
 # AI Toolkit's ModelConfig flags (is_v3, is_lumina2) name families that have their module now.
 _TO_COME_FLAGS: dict[str, str] = {}
 _TO_COME_NAME_HINTS = {
     "flux2": "flux2", "hidream": "hidream", "qwenimage": "qwen_image", "omnigen": "omnigen2", "ltx2": "ltx2",
-    "ti2v": "wan22_5b", "wan22ti2v": "wan22_5b", "wan225b": "wan22_5b", "wan22i2v": "wan22_i2v",
-    "wan21i2v": "wan21_i2v",
 }
 
 # AI Toolkit's `model.arch` values (the part before a ':' such as in 'wan21:14b') -> family.

@@ -57,10 +57,14 @@ class Family:
     # Parts AI Toolkit quantizes in host memory (a block at a time on the device) and moves to the
     # device quantized, with or without low_vram (Z-Image's transformer: OstrisModelMixin.quantize_).
     quantized_on_host: tuple[str, ...] = ()
+    # Parts that encode each training sample's conditioning for the denoiser (Wan 2.1 I2V's CLIP
+    # vision tower), loaded after the VAE, never quantized, never unloaded: AI Toolkit's device
+    # presets leave them where they are (see probe.resident).
+    conditioners: tuple[str, ...] = ()
 
     @property
     def parts(self) -> tuple[str, ...]:
-        return (*self.denoisers, *self.text_encoders, "vae")
+        return (*self.denoisers, *self.text_encoders, "vae", *self.conditioners)
 
     def frame_ladder(self, desired: int) -> list[int]:
         """Clip lengths of the frame_step*k+1 form, halving k: 81 -> 41, 21, 9(k=2), 5, 1 for step 4."""
