@@ -314,10 +314,11 @@ def _speculate(space: Space, known: Knowledge, pending: list[Point], first: Poin
 
 
 def _open_speed(space: Space, known: Knowledge) -> list[Point]:
-    """The speed settings the speed stage may still need at the best quality, heaviest first:
-    every unknown level between the bounds of every line it climbs (one line per setting of the
-    switches). What k workers probe at once, where one worker climbs one step at a time; a
-    heavy one that fits settles the lighter ones on its line by dominance."""
+    """The speed settings the speed stage may still need at the best quality, heaviest first (the
+    most speed knobs raised, then the plan's order of the switches): every unknown level between
+    the bounds of every line it climbs, one line per setting of the switches. What k workers
+    probe at once, where one worker climbs one step at a time; a heavy one that fits settles the
+    lighter ones by dominance, and is the likelier winner."""
     _, quality = _quality_stage(space, known, [])
     if quality is None or not space.speed_knobs:
         return []
@@ -326,7 +327,9 @@ def _open_speed(space: Space, known: Knowledge) -> list[Point]:
     for order, setting in enumerate(_switch_settings(switches)):
         line = lambda level, s={**quality, **setting}: {**s, chain.name: chain.candidates[level]}  # noqa: E731
         lo, hi = _bounds(known, line, len(chain.candidates) - 1)
-        open_points += [(-level, order, line(level)) for level in range(lo + 1, hi) if known.state(line(level)) is None]
+        switched = sum(k.level(setting[k.name]) for k in switches)
+        open_points += [(-level - switched, order, line(level)) for level in range(lo + 1, hi)
+                        if known.state(line(level)) is None]
     return [point for *_, point in sorted(open_points, key=lambda t: t[:2])]
 
 
