@@ -7,12 +7,17 @@
    its own card.
 2. The plan's own parallelism, with no cores to share: the stand-in probe of tests/standin.py
    (memory a known function of 12 knobs, 10,368 points) at 30 budgets, on a clock where a probe
-   takes 1 and a confirmation 3, as N GPUs would run it: time to the end and probes, summed.
+   takes 1 and a confirmation 3, as N GPUs would run it: time to the end and probes, summed,
+   for the workers' speculation before (plan_around's "halving": depth-first, the fit branch
+   first) and now ("kary": best-first over the pending outcomes, the speed climb's open levels
+   at once, the likely winner confirmed while the last speed probes run), each winner checked
+   against the brute-force optimum; then the time per scenario, and with --bound N the time N
+   workers take (what the plan's chain allows however many workers there are).
 3. The storage: N processes each claiming and recording trials as fast as they can (no probe in
    between) on one SQLite study with heartbeats -- far more writes per second than a search ever
    makes -- counting errors, to back the choice of SQLite as the default for several workers.
 
-    python benchmarks/scaleout.py [--workers 1 2 4] [--repeat 1]
+    python benchmarks/scaleout.py [--workers 1 2 4] [--repeat 1] [--plan-only] [--bound 16]
 """
 
 from __future__ import annotations
@@ -105,15 +110,52 @@ def stress_sqlite(writers: int, per_writer: int, lock: bool = True) -> dict:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def plan_parallelism(counts: list[int]) -> list[dict]:
-    from tests.standin import MiB, make_space, simulate_workers
+SPECULATIONS = ("halving", "kary")  # plan_around before issue 17 item 4, and now
+
+
+def plan_parallelism(counts: list[int], speculation: str = "kary") -> list[dict]:
+    """Per worker count: total time and probes over the 30 budgets, the time per budget, and
+    whether every winner is the brute-force optimum and no point was probed twice."""
+    from tests.standin import MiB, make_space, simulate_workers, true_optimum
 
     space = make_space()
     rows = []
     for workers in sorted(set(counts)):
-        runs = [simulate_workers(space, budget * MiB, workers) for budget in range(11, 101, 3)]
-        rows.append({"workers": workers, "time": sum(r[0] for r in runs), "probes": sum(len(r[1]) for r in runs)})
+        runs, right, once = [], True, True
+        for budget in BUDGETS:
+            seconds, probed, winner = simulate_workers(space, budget * MiB, workers, speculation)
+            runs.append((seconds, len(probed)))
+            right &= (winner.point if winner else None) == true_optimum(space, budget * MiB)
+            keys = [(purpose == "confirm", space.key(point)) for purpose, point in probed]
+            once &= len(keys) == len(set(keys))
+        rows.append({"workers": workers, "speculation": speculation, "time": sum(t for t, _ in runs),
+                     "probes": sum(n for _, n in runs), "per_budget": [t for t, _ in runs],
+                     "optimum_every_time": right, "no_point_twice": once})
     return rows
+
+
+BUDGETS = range(11, 101, 3)  # MiB: tests/test_plan.py's
+
+
+def print_plan(counts: list[int], bound: list[int]) -> dict:
+    print("\nthe plan alone (stand-in probe, 30 budgets; a probe takes 1, a confirmation 3)")
+    print(f"{'speculation':>12}{'workers':>8}{'time':>8}{'speed-up':>10}{'probes':>8}{'probes/1':>10}  winners")
+    plans = {}
+    for speculation in SPECULATIONS:
+        plans[speculation] = rows = plan_parallelism(counts, speculation)
+        for row in rows:
+            verdict = "optimum, none twice" if row["optimum_every_time"] and row["no_point_twice"] else "WRONG"
+            print(f"{speculation:>12}{row['workers']:>8}{row['time']:>8.0f}{rows[0]['time'] / row['time']:>9.2f}x"
+                  f"{row['probes']:>8}{row['probes'] / rows[0]['probes']:>9.2f}x  {verdict}")
+    bounds = plan_parallelism(bound, "kary") if bound else []
+    for row in bounds:
+        print(f"{'kary':>12}{row['workers']:>8}{row['time']:>8.0f}"
+              f"{plans['kary'][0]['time'] / row['time']:>9.2f}x{row['probes']:>8}  (the bound: many workers)")
+    print("\ntime per budget (MiB), kary speculation; the first row is one worker")
+    print(f"{'workers':>8}  " + " ".join(f"{b:>3}" for b in BUDGETS))
+    for row in plans["kary"] + bounds:
+        print(f"{row['workers']:>8}  " + " ".join(f"{t:>3.0f}" for t in row["per_budget"]))
+    return {**plans, "bound": bounds}
 
 
 def main() -> None:
@@ -123,7 +165,17 @@ def main() -> None:
     parser.add_argument("--probe-steps", type=int, nargs="+", default=[20, 200],
                         help="probe lengths to compare: the demo's, and probes long enough to outweigh start-up")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--plan-only", action="store_true",
+                        help="only the plan's own parallelism (seconds, no probes, no SQLite)")
+    parser.add_argument("--bound", type=int, nargs="*", default=[],
+                        help="also these worker counts for the plan, to show what its chain allows")
     args = parser.parse_args()
+    if args.plan_only:
+        plan = print_plan(args.workers + [8], args.bound)
+        if args.json:  # the other parts' figures, from their last full run, are kept
+            figures = json.loads(args.json.read_text()) if args.json.exists() else {}
+            args.json.write_text(json.dumps({**figures, "plan": plan}, indent=2) + "\n")
+        return
 
     rows = []
     print(f"demo search on {os.cpu_count()} CPU cores (sim meter)")
@@ -141,11 +193,7 @@ def main() -> None:
     same = all(row["best"] == rows[0]["best"] for row in rows)
     print(f"same winner for every run: {'yes' if same else 'NO'}")
 
-    plan = plan_parallelism(args.workers + [8])
-    print("\nthe plan alone (stand-in probe, 30 budgets; a probe takes 1, a confirmation 3)")
-    print(f"{'workers':>8}{'time':>8}{'speed-up':>10}{'probes':>8}")
-    for row in plan:
-        print(f"{row['workers']:>8}{row['time']:>8.0f}{plan[0]['time'] / row['time']:>9.2f}x{row['probes']:>8}")
+    plan = print_plan(args.workers + [8], args.bound)
 
     stress = [stress_sqlite(n, 60, lock) for lock in (False, True) for n in (1, 4, 8)]
     print("\nSQLite with heartbeats, writers claiming and recording trials back to back")

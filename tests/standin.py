@@ -118,17 +118,17 @@ def true_optimum(space: spaces.Space, budget: int, margin: float = 0.05):
     return min(ties, key=lambda p: (outcome(p, budget)["peak_bytes"], seconds_per_step(p) / p.get("batch", 1)))
 
 
-def simulate_workers(space: spaces.Space, budget: int, workers: int):
+def simulate_workers(space: spaces.Space, budget: int, workers: int, speculation: str = "kary"):
     """Workers sharing one plan, on a clock where a probe takes 1 and a confirmation 3: each free
-    worker asks plan_around for a point nobody probes yet. Returns (time to the end, the probed
-    (purpose, point) list, the winner)."""
+    worker asks plan_around (with `speculation`) for a point nobody probes yet. Returns (time to
+    the end, the probed (purpose, point) list, the winner)."""
     import heapq
 
     known = search.Knowledge(space, int(budget * 0.95))
     clock, events, pending, probed, idle, number = 0.0, [], [], [], list(range(workers)), 0
     while True:
         while idle:
-            step = search.plan_around(space, known, [point for _, point in pending])
+            step = search.plan_around(space, known, [point for _, point in pending], speculation=speculation)
             if step.point is None:
                 break
             idle.pop()

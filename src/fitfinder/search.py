@@ -209,17 +209,54 @@ def plan(space: Space, known: Knowledge) -> Step:
     return Step(None, decided=decided)
 
 
-def plan_around(space: Space, known: Knowledge, pending: list[Point], depth: int = 3) -> Step:
+def plan_around(space: Space, known: Knowledge, pending: list[Point], depth: int = 3,
+                speculation: str = "kary") -> Step:
     """The next point for one more worker while `pending` points are being probed by others.
 
-    When the plan's next point is already being probed, speculate: plan as if it fit, and as if
-    it failed, and take the first answer nobody is probing yet. The fit branch first: after the
-    rollback the plan climbs from points that fit, and on the stand-in of tests/test_plan.py it
-    is the faster order (benchmarks/scaleout.py: 4 workers 2.05x one worker's speed instead of
-    1.61x, with a fifth fewer probes). The speculation only picks *which* point to probe; every
-    result the search learns from is a real one. Step(None) with points pending means "wait for
-    them".
+    With nothing pending this is `plan`: one worker's search is the plan's. When the plan's next
+    point is already being probed, the worker takes, in this order:
+
+    1. at the speed stage (the best quality settled by real results), the heaviest speed setting
+       still open on any line the stage climbs (_open_speed): the k workers probe k levels of
+       the batch climb at once, where the plan climbs one step at a time;
+    2. else the likeliest point some branch of the pending outcomes needs (_speculate): each
+       pending probe may fit or run out of memory, in the phase _likely_phases names; a branch is
+       as likely as its guesses together, the fit and the failure even odds, and branches down
+       to 1 in 2**depth are searched, the likeliest first. A bisection then runs as a k-ary
+       section: the midpoint, the midpoints of both halves, ...
+    3. else, at the speed stage, the confirmation of the best point measured so far (the likely
+       winner), while the last speed probes run: the confirmation is the longest probe and
+       ends every search, so it is the one worth starting early.
+
+    The speculation only picks *which* point to probe; every result the search learns from is a
+    real one, and a point being probed is never planned again. Step(None) with points pending
+    means "wait for them". speculation="halving" is the earlier depth-first walk, the fit branch
+    first (_plan_around_halving), kept to measure against in benchmarks/scaleout.py.
     """
+    if speculation == "halving":
+        return _plan_around_halving(space, known, pending, depth)
+    if speculation != "kary":
+        raise ValueError(f"speculation must be 'kary' or 'halving' but got {speculation!r}")
+    step = plan(space, known)
+    if step.point is None or not _among(space, step.point, pending):
+        return step
+    if step.purpose == "confirm":
+        return Step(None)  # the winner is being confirmed: nothing is left to plan on
+    speed_stage = step.purpose == "speed"
+    for point in _open_speed(space, known) if speed_stage else ():
+        if not _among(space, point, pending):
+            return Step(point, "speed")
+    guess = _speculate(space, known, pending, step.point, 0.5 ** depth)
+    if guess.point is None and speed_stage:
+        leader = best(space, known)
+        if leader is not None and not known.confirmed(leader.point) and not _among(space, leader.point, pending):
+            return Step(leader.point, "confirm", CONFIRM_FACTOR)
+    return guess
+
+
+def _plan_around_halving(space: Space, known: Knowledge, pending: list[Point], depth: int) -> Step:
+    """The earlier speculation: plan as if the pending point the plan asks for fit, then as if it
+    failed (in every phase), `depth` outcomes deep, and take the first answer nobody probes yet."""
     step = plan(space, known)
     if step.point is None or not _among(space, step.point, pending):
         return step
@@ -229,10 +266,71 @@ def plan_around(space: Space, known: Knowledge, pending: list[Point], depth: int
     rest = [p for p in pending if p is not guess]
     for verdict in ("ok", "oom"):
         branch = _with_guess(space, known, guess, verdict)
-        nested = plan_around(space, branch, rest, depth - 1)
+        nested = _plan_around_halving(space, branch, rest, depth - 1)
         if nested.point is not None and not _among(space, nested.point, pending):
             return Step(nested.point, nested.purpose, nested.steps_factor)
     return Step(None)
+
+
+def _speculate(space: Space, known: Knowledge, pending: list[Point], first: Point, least_odds: float) -> Step:
+    """The likeliest point that a branch of the pending outcomes needs and nobody probes yet.
+
+    Best-first over the tree of guesses: a branch is `known` plus a guessed outcome of each
+    pending point the plan asked for on the way, as likely as its guesses together (a fit and a
+    failure even odds, a failure only in a phase where it would contradict no result). Branches
+    less likely than `least_odds` are not searched. Step(None) if no branch needs a new point.
+    """
+    import heapq
+
+    order = itertools.count()  # ties: the earlier branch, so the fit branch before the failure
+    frontier: list = []
+
+    def branch_on(branch: Knowledge, rest: list[Point], asked: Point, odds: float) -> None:
+        guess = rest[[space.key(p) for p in rest].index(space.key(asked))]
+        left = [p for p in rest if p is not guess]
+        phases = _likely_phases(branch, guess)
+        fit = 0.5 if phases else 1.0
+        heapq.heappush(frontier, (-odds * fit, next(order), branch, guess, left, None))
+        if phases:
+            heapq.heappush(frontier, (-odds * (1 - fit), next(order), branch, guess, left, phases[0]))
+
+    branch_on(known, pending, first, 1.0)
+    while frontier:
+        minus_odds, _, before, guess, rest, failed_in = heapq.heappop(frontier)
+        if -minus_odds < least_odds:
+            break
+        branch = _with_guess(space, before, guess, "ok" if failed_in is None else "oom", failed_in)
+        step = plan(space, branch)
+        if step.point is None or step.purpose == "confirm":
+            continue  # a confirmation waits for the real results it rests on
+        if not _among(space, step.point, pending):
+            return Step(step.point, step.purpose, step.steps_factor)
+        for point in _open_speed(space, branch) if step.purpose == "speed" else ():
+            if not _among(space, point, pending):
+                return Step(point, "speed")
+        if _among(space, step.point, rest):
+            branch_on(branch, rest, step.point, -minus_odds)
+    return Step(None)
+
+
+def _open_speed(space: Space, known: Knowledge) -> list[Point]:
+    """The speed settings the speed stage may still need at the best quality, heaviest first (the
+    most speed knobs raised, then the plan's order of the switches): every unknown level between
+    the bounds of every line it climbs, one line per setting of the switches. What k workers
+    probe at once, where one worker climbs one step at a time; a heavy one that fits settles the
+    lighter ones by dominance, and is the likelier winner."""
+    _, quality = _quality_stage(space, known, [])
+    if quality is None or not space.speed_knobs:
+        return []
+    chain, switches = _speed_lines(space)
+    open_points = []
+    for order, setting in enumerate(_switch_settings(switches)):
+        line = lambda level, s={**quality, **setting}: {**s, chain.name: chain.candidates[level]}  # noqa: E731
+        lo, hi = _bounds(known, line, len(chain.candidates) - 1)
+        switched = sum(k.level(setting[k.name]) for k in switches)
+        open_points += [(-level - switched, order, line(level)) for level in range(lo + 1, hi)
+                        if known.state(line(level)) is None]
+    return [point for *_, point in sorted(open_points, key=lambda t: t[:2])]
 
 
 def next_step(space: Space, known: Knowledge, pending: list[Point], guide=None) -> Step:
@@ -248,12 +346,33 @@ def _among(space: Space, point: Point, points: list[Point]) -> bool:
     return any(space.key(p) == key for p in points)
 
 
-def _with_guess(space: Space, known: Knowledge, point: Point, status: str) -> Knowledge:
-    """A copy of `known` that assumes `point` ends with `status` (an OOM in every phase, or a fit)."""
+def _likely_phases(known: Knowledge, point: Point) -> list[str]:
+    """The phases to guess `point` runs out of memory in, likeliest first: the last failure's,
+    then train, load and the others it runs, one per rollback move -- only phases where nothing
+    known ran at a point at least as heavy there under the limit (a guess never contradicts a
+    result). [] when every phase it runs is known to fit."""
+    space, limit = known.space, known.limit_bytes if known.limit_bytes is not None else math.inf
+    last = next((r.failed_phases[0] for r in reversed(known.results) if r.verdict == NOFIT and r.failed_phases), None)
+    run = space.phases_run(point)
+    phases, moves = [], []
+    for phase in dict.fromkeys([last, "train", "load", *run]):
+        if phase not in run or ROLLBACK.get(phase) in moves:
+            continue
+        if not any(r.verdict is not None and phase not in r.failed_phases and r.phase != phase
+                   and (r.verdict == FIT or r.phases.get(phase, limit + 1) <= limit)
+                   and space.heavier_or_equal(r.point, point, phase) for r in known.results):
+            phases.append(phase)
+            moves.append(ROLLBACK.get(phase))
+    return phases
+
+
+def _with_guess(space: Space, known: Knowledge, point: Point, status: str, phase: str | None = None) -> Knowledge:
+    """A copy of `known` that assumes `point` ends with `status`: a fit, or an OOM in `phase`
+    (in every phase if None)."""
     guessed = Knowledge(space, known.limit_bytes)
     for result in known.results:
         guessed.add(result)
-    guessed.add(Result(trial=-1, point=point, status=status, peak_bytes=0 if status == "ok" else None))
+    guessed.add(Result(trial=-1, point=point, status=status, peak_bytes=0 if status == "ok" else None, phase=phase))
     return guessed
 
 
@@ -346,8 +465,7 @@ def _speed_stage(space: Space, known: Knowledge, quality: Point, decided: list) 
     speed = space.speed_knobs
     if not speed:
         return None
-    chain = max(speed, key=lambda k: len(k.candidates))  # the knob worth climbing: batch
-    switches = [k for k in speed if k is not chain]
+    chain, switches = _speed_lines(space)
     maximal: list[Point] = []
     for setting in _switch_settings(switches):
         base = {**quality, **setting}
@@ -368,6 +486,12 @@ def _speed_stage(space: Space, known: Knowledge, quality: Point, decided: list) 
                                          for r in known.probed(point)):
             return point  # fits by dominance (or by a prediction), but its speed is not measured yet
     return None
+
+
+def _speed_lines(space: Space):
+    """The speed knob worth climbing (batch: the most levels), and the on/off switches."""
+    chain = max(space.speed_knobs, key=lambda k: len(k.candidates))
+    return chain, [k for k in space.speed_knobs if k is not chain]
 
 
 def _switch_settings(switches: list) -> list[Point]:
