@@ -301,6 +301,12 @@ def _phase(name: str, pipe, request: dict):
 
 
 def resident(phase: str, request: dict, family, active: str | None = None) -> set[str]:
+    """The parts on the device during `phase` (see _resident), each with its companions (Family.companions)."""
+    wanted = _resident(phase, request, family, active)
+    return wanted | {part for part, anchor in family.companions.items() if anchor in wanted}
+
+
+def _resident(phase: str, request: dict, family, active: str | None = None) -> set[str]:
     """The parts on the device during `phase`, as AI Toolkit's device presets place them
     (toolkit/stable_diffusion_model.py, set_device_state_preset; AI Toolkit commit 27a03a91).
 

@@ -48,10 +48,15 @@ class Family:
     index_defaults: dict = field(default_factory=dict)
     # Denoiser -> `model.model_kwargs` key that turns its training off (Wan 2.2's two experts).
     expert_switches: dict = field(default_factory=dict)
+    # Parts beside denoisers, encoders and VAE, each -> the part whose device placement it follows
+    # (LTX-2's text connectors, audio VAE and vocoder go where its transformer goes).
+    companions: dict = field(default_factory=dict)
+    # Part -> attribute paths AI Toolkit sets to None right after loading it (LTX-2's Gemma 3 vision tower).
+    dropped: dict = field(default_factory=dict)
 
     @property
     def parts(self) -> tuple[str, ...]:
-        return (*self.denoisers, *self.text_encoders, "vae")
+        return (*self.denoisers, *self.text_encoders, "vae", *self.companions)
 
     def frame_ladder(self, desired: int) -> list[int]:
         """Clip lengths of the frame_step*k+1 form, halving k: 81 -> 41, 21, 9(k=2), 5, 1 for step 4."""
