@@ -19,6 +19,7 @@ SUPPORTED = {
     "train_lora_wan21_14b_24gb": "wan21-14b", "train_lora_wan21_1b_24gb": "wan21-1.3b",
     "train_lora_wan22_14b_24gb": "wan22-14b",
     "train_full_fine_tune_flex": "flex1-alpha",
+    "ui_ltx2": "ltx2",
 }
 # Known to fitfinder, with an architecture config, but no family module yet: what the CLI says.
 NOT_YET = {
@@ -36,7 +37,6 @@ NOT_YET = {
     "ui_wan21_i2v": ("model.arch 'wan21_i2v:14b480p'", "wan21_i2v"),
     "ui_wan22_14b_i2v": ("model.arch 'wan22_14b_i2v'", "wan22_i2v"),
     "ui_wan22_5b": ("model.arch 'wan22_5b'", "wan22_5b"),
-    "ui_ltx2": ("model.arch 'ltx2'", "ltx2"),
 }
 # Jobs that train an adapter (Redux), neither a LoRA nor the denoiser: refused by the job file's checks.
 NO_LORA = {
@@ -75,7 +75,7 @@ def test_jobs_of_families_to_come_read_and_are_told_so_in_one_line(stem, tmp_pat
     model, family = NOT_YET[stem]
     done = run_cli("estimate", str(path), "--vram", "24GiB", cwd=tmp_path)
     assert_one_clean_line(done, f"fitfinder: error: {path}: config.process[0].model: fitfinder knows {model} but "
-                                f"cannot probe the {family} family yet; it supports: flux, sdxl, wan21, wan22")
+                                f"cannot probe the {family} family yet; it supports: flux, ltx2, sdxl, wan21, wan22")
 
 
 @pytest.mark.parametrize("stem", sorted(NO_LORA))

@@ -1,6 +1,6 @@
 """Model families: which one a job trains, its architecture, where its weights come from.
 
-Each family is one module of this package (`flux`, `sdxl`, `wan21`, `wan22`): its declaration
+Each family is one module of this package (`flux`, `sdxl`, `wan21`, `wan22`, `ltx2`): its declaration
 `FAMILY` (models/_family.py; no torch) and its `Recipe` (what it computes; probe children only).
 The registry below finds them; this module resolves a job's model to one as AI Toolkit does.
 
@@ -62,15 +62,15 @@ _TO_COME_ARCH_VALUES = {
     "sd3": "sd3", "lumina2": "lumina2", "omnigen2": "omnigen2",
     "flux2": "flux2", "flux2_klein_4b": "flux2", "flux2_klein_9b": "flux2", "zimage": "zimage",
     "wan21_i2v": "wan21_i2v", "wan22_14b_i2v": "wan22_i2v", "wan22_5b": "wan22_5b",
-    "ltx2": "ltx2", "ltx2.3": "ltx2", "ltx2.5": "ltx2",
+    "ltx2.3": "ltx2.3", "ltx2.5": "ltx2.5",  # LTX-2's point releases: other architectures (models/ltx2.py)
 }
 # AI Toolkit's ModelConfig turns `is_v3` into arch sd3 and `is_lumina2` into lumina2.
 _TO_COME_FLAGS = {"is_v3": "sd3", "is_lumina2": "lumina2"}
 _TO_COME_NAME_HINTS = {
     "flux2": "flux2", "kontext": "flux_kontext", "flex2": "flex2", "chroma": "chroma", "hidream": "hidream",
     "qwenimage": "qwen_image", "lumina": "lumina2", "omnigen": "omnigen2", "stablediffusion3": "sd3",
-    "sd35": "sd3", "zimage": "zimage", "ltx2": "ltx2", "ti2v": "wan22_5b", "wan22ti2v": "wan22_5b",
-    "wan225b": "wan22_5b", "wan22i2v": "wan22_i2v", "wan21i2v": "wan21_i2v",
+    "sd35": "sd3", "zimage": "zimage", "ltx23": "ltx2.3", "ltx25": "ltx2.5", "ti2v": "wan22_5b",
+    "wan22ti2v": "wan22_5b", "wan225b": "wan22_5b", "wan22i2v": "wan22_i2v", "wan21i2v": "wan21_i2v",
 }
 
 # AI Toolkit's `model.arch` values (the part before a ':' such as in 'wan21:14b') -> family.
