@@ -26,6 +26,7 @@ SUPPORTED = {
     "train_lora_sd35_large_24gb": "sd35-large",
     "train_lora_lumina": "lumina2", "train_full_fine_tune_lumina": "lumina2",
     "ui_zimage_turbo": "zimage-turbo",
+    "ui_ltx2": "ltx2",
 }
 # Known to fitfinder, with an architecture config, but no family module yet: what the CLI says.
 NOT_YET = {
@@ -34,7 +35,6 @@ NOT_YET = {
     "train_lora_qwen_image_edit_32gb": ("model.arch 'qwen_image_edit'", "qwen_image"),
     "train_lora_qwen_image_edit_2509_32gb": ("model.arch 'qwen_image_edit_plus'", "qwen_image"),
     "train_lora_omnigen2_24gb": ("model.arch 'omnigen2'", "omnigen2"),
-    "ui_ltx2": ("model.arch 'ltx2'", "ltx2"),
 }
 # Jobs that train an adapter (Redux), neither a LoRA nor the denoiser: refused by the job file's checks.
 NO_LORA = {

@@ -120,15 +120,13 @@ def test_a_local_diffusers_folder_and_the_arch_config_give_the_same_peaks(run, f
 
 def _save_pipeline(arch: dict, family: str, folder):
     """A diffusers pipeline folder as the Hub holds one, built here with the libraries' own classes."""
-    import diffusers
     import torch
-    import transformers
+
+    from fitfinder.models._weights import _construct, part_class
 
     for part, config in arch["parts"].items():
-        library, name = FAMILIES[family].classes[part].split(".")
-        cls = getattr(diffusers if library == "diffusers" else transformers, name)
         torch.manual_seed(1)
-        model = cls.from_config(config) if library == "diffusers" else cls(cls.config_class(**config))
+        model = _construct(part_class(family, part), config)  # LTX-2's connectors: in diffusers.pipelines
         model.save_pretrained(folder / part)
     tokenizer = FAMILIES[family].tokenizer
     if tokenizer:  # the long-prompt tokenizer's length is the one setting a folder holds outside configs

@@ -59,7 +59,7 @@ def test_an_unknown_model_is_one_line_listing_the_families_without_a_relabelling
 
 @pytest.mark.parametrize("model, told", [
     ({"arch": "qwen_image"}, "model.arch 'qwen_image' but cannot probe the qwen_image family yet"),
-    ({"arch": "ltx2.3"}, "model.arch 'ltx2.3' but cannot probe the ltx2 family yet"),
+    ({"arch": "ltx2.3"}, "model.arch 'ltx2.3' but cannot probe the ltx2.3 family yet"),
     ({"name_or_path": "HiDream-ai/HiDream-I1-Full"},
      "HiDream-ai/HiDream-I1-Full (hidream-i1-full) but cannot probe the hidream family yet"),
     ({"name_or_path": "/models/my-flux2-finetune"}, "/models/my-flux2-finetune but cannot probe the flux2 family yet"),

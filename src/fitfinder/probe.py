@@ -315,15 +315,20 @@ def resident(phase: str, request: dict, family, active: str | None = None) -> se
     latents keep the VAE off during training (it comes back for previews), but in a family that
     encodes a conditioning image at every step (Family.vae_in_train). With low_vram only the
     parts a phase uses, and of two experts only the `active` one.
+
+    A family's conditioners (Wan 2.1 I2V's image encoder) stay on the device from load on; with
+    low_vram they come on for training only (toolkit/models/wan21/wan21_i2v.py: Wan21I2V's
+    set_device_state_preset, get_noise_prediction and generate_images). Companions
+    (Family.companions: LTX-2's connectors, audio VAE, vocoder) go where their part goes.
     """
-    # A family's conditioners (Wan 2.1 I2V's image encoder) stay on the device from load on; with
-    # low_vram they come on for training only (toolkit/models/wan21/wan21_i2v.py: Wan21I2V's
-    # set_device_state_preset, get_noise_prediction and generate_images).
-    return _resident(phase, request, family, active) | (
-        set(family.conditioners) if not request["low_vram"] or phase == "train" else set())
+    wanted = _placed(phase, request, family, active)
+    if not request["low_vram"] or phase == "train":
+        wanted |= set(family.conditioners)
+    return wanted | {part for part, anchor in family.companions.items() if anchor in wanted}
 
 
-def _resident(phase: str, request: dict, family, active: str | None) -> set[str]:
+def _placed(phase: str, request: dict, family, active: str | None) -> set[str]:
+    """The denoisers, encoders and VAE on the device during `phase` (see resident)."""
     encoders = set(family.text_encoders)
     mode = request["text_encoder"]
     kept = encoders if mode == "keep" else set()

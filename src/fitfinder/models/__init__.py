@@ -1,6 +1,6 @@
 """Model families: which one a job trains, its architecture, where its weights come from.
 
-Each family is one module of this package (`flux`, `sdxl`, `wan21`, `wan22`): its declaration
+Each family is one module of this package (`flux`, `sdxl`, `wan21`, `wan22`, `ltx2`): its declaration
 `FAMILY` (models/_family.py; no torch) and its `Recipe` (what it computes; probe children only).
 The registry below finds them; this module resolves a job's model to one as AI Toolkit does.
 
@@ -60,12 +60,13 @@ _TO_COME_ARCH_VALUES = {
     "hidream": "hidream",
     "qwen_image": "qwen_image", "qwen_image_edit": "qwen_image", "qwen_image_edit_plus": "qwen_image",
     "omnigen2": "omnigen2", "flux2": "flux2", "flux2_klein_4b": "flux2", "flux2_klein_9b": "flux2",
-    "ltx2": "ltx2", "ltx2.3": "ltx2", "ltx2.5": "ltx2",
+    "ltx2.3": "ltx2.3", "ltx2.5": "ltx2.5",
 }
 # AI Toolkit's ModelConfig flags (is_v3, is_lumina2) name families that have their module now.
 _TO_COME_FLAGS: dict[str, str] = {}
 _TO_COME_NAME_HINTS = {
-    "flux2": "flux2", "hidream": "hidream", "qwenimage": "qwen_image", "omnigen": "omnigen2", "ltx2": "ltx2",
+    "flux2": "flux2", "hidream": "hidream", "qwenimage": "qwen_image", "omnigen": "omnigen2", "ltx23": "ltx2.3",
+    "ltx25": "ltx2.5",
 }
 
 # AI Toolkit's `model.arch` values (the part before a ':' such as in 'wan21:14b') -> family.

@@ -61,10 +61,15 @@ class Family:
     # vision tower), loaded after the VAE, never quantized, never unloaded: AI Toolkit's device
     # presets leave them where they are (see probe.resident).
     conditioners: tuple[str, ...] = ()
+    # Parts beside denoisers, encoders and VAE, each -> the part whose device placement it follows
+    # (LTX-2's text connectors, audio VAE and vocoder go where its transformer goes).
+    companions: dict = field(default_factory=dict)
+    # Part -> attribute paths AI Toolkit sets to None right after loading it (LTX-2's Gemma 3 vision tower).
+    dropped: dict = field(default_factory=dict)
 
     @property
     def parts(self) -> tuple[str, ...]:
-        return (*self.denoisers, *self.text_encoders, "vae", *self.conditioners)
+        return (*self.denoisers, *self.text_encoders, "vae", *self.conditioners, *self.companions)
 
     def frame_ladder(self, desired: int) -> list[int]:
         """Clip lengths of the frame_step*k+1 form, halving k: 81 -> 41, 21, 9(k=2), 5, 1 for step 4."""

@@ -30,7 +30,9 @@ class Pipeline:
         self.parts: dict[str, torch.nn.Module] = {}
         self.on_device: set[str] = set()
         self.inputs = Inputs(meter.device, self.dtype, settings.get("seed", 0), int(self.arch.get("text_seq_len", 512)))
+        self.settings = settings
         self.recipe = self.family.recipe(self.arch, self.inputs)
+        self.recipe.pipeline = self  # a recipe that calls a companion part (LTX-2's connectors) finds it here
 
     def place(self, wanted: set[str]) -> None:
         """Exactly the loaded parts in `wanted` on the device: leaving parts go first, then arriving ones."""
@@ -59,6 +61,9 @@ def load(spec: dict, settings: dict, meter) -> Pipeline:
         on_host = low_vram or bool(qtype and part in pipe.family.quantized_on_host)
         with meter.host():
             module = _build(spec, part, pipe.dtype, "cpu" if on_host else meter.device, meter)
+            for path in pipe.family.dropped.get(part, ()):  # gone before anything counts it
+                owner, _, name = path.rpartition(".")
+                setattr(module.get_submodule(owner), name, None)
             if qtype and on_host:
                 quantize(module, qtype, meter.repeated)
         pipe.parts[part] = module

@@ -27,7 +27,7 @@ SAVE_RANDOM_UP_TO_BYTES = 512 * 2**20
 
 
 def part_class(family: str, part: str) -> type:
-    library, name = FAMILIES[family].classes[part].split(".")
+    library, _, name = FAMILIES[family].classes[part].rpartition(".")  # "diffusers.pipelines.ltx2.vocoder.X" too
     return getattr(importlib.import_module(library), name)
 
 
