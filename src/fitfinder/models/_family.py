@@ -48,6 +48,10 @@ class Family:
     index_defaults: dict = field(default_factory=dict)
     # Denoiser -> `model.model_kwargs` key that turns its training off (Wan 2.2's two experts).
     expert_switches: dict = field(default_factory=dict)
+    # The order AI Toolkit's loader brings the parts onto the device when it is not `parts`
+    # (denoisers, encoders, VAE): HiDream loads and quantizes Llama before the transformer, so the
+    # bf16 transformer lands next to an already quantized Llama. Empty: `parts`.
+    load_order: tuple[str, ...] = ()
 
     @property
     def parts(self) -> tuple[str, ...]:

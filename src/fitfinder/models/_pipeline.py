@@ -53,7 +53,7 @@ def load(spec: dict, settings: dict, meter) -> Pipeline:
     """Every part, quantized as the job says, with a LoRA on each trained denoiser."""
     pipe = Pipeline(spec, settings, meter)
     low_vram = settings["low_vram"]
-    for part in pipe.family.parts:
+    for part in pipe.family.load_order or pipe.family.parts:
         qtype = _quantization(pipe.family, part, settings)
         with meter.host():
             module = _build(spec, part, pipe.dtype, "cpu" if low_vram else meter.device, meter)
@@ -105,6 +105,10 @@ def _add_lora(pipe: Pipeline, name: str, settings: dict) -> None:
     denoiser = pipe.parts[name]
     torch.manual_seed(settings.get("seed", 0))
     targets = lora_targets(denoiser, pipe.family.lora_blocks)
+    # network.network_kwargs.ignore_if_contains: AI Toolkit skips every layer whose name holds one
+    # (toolkit/lora_special.py, LoRASpecialNetwork.create_modules; HiDream's example leaves the MoE out).
+    ignored = settings.get("lora_ignore") or []
+    targets = [name for name in targets if not any(word in name for word in ignored)]
     config = LoraConfig(r=settings["rank"], lora_alpha=settings["alpha"], target_modules=targets,
                         init_lora_weights="gaussian")
     with pipe.meter.host():
