@@ -44,7 +44,8 @@ def test_an_unknown_model_is_one_line_listing_the_families_without_a_relabelling
         models.family_of(job)
     assert str(raised.value) == (
         "<tiny flux job>: config.process[0].model: fitfinder does not support the model /models/something "
-        "(neither model.arch, an is_* flag nor its name says which it is); it supports: flux, sdxl, wan21, wan22")
+        "(neither model.arch, an is_* flag nor its name says which it is); "
+        "it supports: flux, hidream, sdxl, wan21, wan22")
 
 
 @pytest.mark.parametrize("model, told", [
@@ -53,8 +54,7 @@ def test_an_unknown_model_is_one_line_listing_the_families_without_a_relabelling
     ({"arch": "ltx2.3"}, "model.arch 'ltx2.3' but cannot probe the ltx2 family yet"),
     ({"is_v3": True}, "model.is_v3 but cannot probe the sd3 family yet"),
     ({"is_lumina2": True}, "model.is_lumina2 but cannot probe the lumina2 family yet"),
-    ({"name_or_path": "HiDream-ai/HiDream-I1-Full"},
-     "HiDream-ai/HiDream-I1-Full (hidream-i1-full) but cannot probe the hidream family yet"),
+    ({"arch": "chroma"}, "model.arch 'chroma' but cannot probe the chroma family yet"),
     ({"name_or_path": "/models/my-flux2-finetune"}, "/models/my-flux2-finetune but cannot probe the flux2 family yet"),
 ])
 def test_a_model_fitfinder_knows_but_cannot_probe_yet_is_named_with_its_family(model, told):
@@ -63,7 +63,7 @@ def test_a_model_fitfinder_knows_but_cannot_probe_yet_is_named_with_its_family(m
     with pytest.raises(UserError) as raised:
         models.family_of(job)
     assert str(raised.value) == (f"<tiny flux job>: config.process[0].model: fitfinder knows {told}; "
-                                 "it supports: flux, sdxl, wan21, wan22")
+                                 "it supports: flux, hidream, sdxl, wan21, wan22")
 
 
 @pytest.mark.parametrize("model, family", [
@@ -78,6 +78,14 @@ def test_flux_1_variants_resolve_to_the_flux_family(model, family):
     assert models.family_of(job) == family
 
 
+@pytest.mark.parametrize("model", [{"arch": "hidream"}, {"name_or_path": "HiDream-ai/HiDream-I1-Full"},
+                                   {"name_or_path": "/models/my-hidream-i1-finetune"}])
+def test_hidream_resolves_by_arch_shipped_name_and_name_hint(model):
+    job = tiny_job("flux")
+    job.process["model"] = model
+    assert models.family_of(job) == "hidream"
+
+
 def test_an_unknown_arch_is_reported_by_the_job_file_without_a_relabelling_hint():
     from fitfinder import jobconfig
     from fitfinder.errors import ConfigError
@@ -85,7 +93,7 @@ def test_an_unknown_arch_is_reported_by_the_job_file_without_a_relabelling_hint(
     with pytest.raises(ConfigError) as raised:
         jobconfig.loads(tiny_job("flux", {"model.arch": "anima"}).dumps())
     assert raised.value.problems == ["config.process[0].model.arch: fitfinder does not support the model 'anima'; "
-                                     "it supports: flux, sdxl, wan21, wan22"]
+                                     "it supports: flux, hidream, sdxl, wan21, wan22"]
 
 
 def test_the_wan22_reference_job_resolves_to_its_family_and_arch():
