@@ -52,6 +52,11 @@ class Family:
     # (denoisers, encoders, VAE): HiDream loads and quantizes Llama before the transformer, so the
     # bf16 transformer lands next to an already quantized Llama. Empty: `parts`.
     load_order: tuple[str, ...] = ()
+    # Where AI Toolkit's loader quantizes a part, "host" or "device", when that does not follow
+    # low_vram (host with it, device without): FLUX.2 quantizes its transformer in host memory
+    # always (quantize_model: a block at a time on the device, back to the CPU) and Mistral on the
+    # device always, in bf16 there first, then parks it on the CPU under low_vram.
+    quantized_on: dict = field(default_factory=dict)
 
     @property
     def parts(self) -> tuple[str, ...]:

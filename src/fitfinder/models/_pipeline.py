@@ -5,6 +5,8 @@ encoder(s), then the VAE. Without `low_vram` each part goes onto the device as i
 is quantized there (the full-precision weights sit on the device until their layer is swapped,
 which is why quantizing a large model can run out of memory at load). With `low_vram` every part
 is loaded and quantized in host memory and comes onto the device only when a phase uses it.
+A family's `quantized_on` overrides where a part is quantized when its loader does otherwise
+(FLUX.2: the transformer always in host memory, Mistral always on the device).
 """
 
 from __future__ import annotations
@@ -55,15 +57,18 @@ def load(spec: dict, settings: dict, meter) -> Pipeline:
     low_vram = settings["low_vram"]
     for part in pipe.family.load_order or pipe.family.parts:
         qtype = _quantization(pipe.family, part, settings)
+        usual = "host" if low_vram else "device"
+        on_host = (pipe.family.quantized_on.get(part, usual) if qtype else usual) == "host"
         with meter.host():
-            module = _build(spec, part, pipe.dtype, "cpu" if low_vram else meter.device, meter)
-            if qtype and low_vram:
+            module = _build(spec, part, pipe.dtype, "cpu" if on_host else meter.device, meter)
+            if qtype and on_host:
                 quantize(module, qtype, meter.repeated)
         pipe.parts[part] = module
-        if not low_vram:
+        if not on_host:
             pipe.place(pipe.on_device | {part})
             if qtype:
                 quantize(pipe.parts[part], qtype, meter.repeated)
+        pipe.place(pipe.on_device - {part} if low_vram else pipe.on_device | {part})
     make_trainable = _add_lora if settings["rank"] else _train_whole
     for name in settings["trained"]:
         if name in pipe.on_device:
