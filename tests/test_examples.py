@@ -20,6 +20,7 @@ SUPPORTED = {
     "train_lora_wan22_14b_24gb": "wan22-14b",
     "train_full_fine_tune_flex": "flex1-alpha",
     "train_lora_hidream_48": "hidream-i1-full",
+    "ui_flux2": "flux2-dev", "ui_flux2_klein_4b": "flux2-klein-4b", "ui_flux2_klein_9b": "flux2-klein-9b",
 }
 # Known to fitfinder, with an architecture config, but no family module yet: what the CLI says.
 NOT_YET = {
@@ -75,7 +76,8 @@ def test_jobs_of_families_to_come_read_and_are_told_so_in_one_line(stem, tmp_pat
     model, family = NOT_YET[stem]
     done = run_cli("estimate", str(path), "--vram", "24GiB", cwd=tmp_path)
     assert_one_clean_line(done, f"fitfinder: error: {path}: config.process[0].model: fitfinder knows {model} but "
-                                f"cannot probe the {family} family yet; it supports: flux, hidream, sdxl, wan21, wan22")
+                                f"cannot probe the {family} family yet; it supports: flux, flux2, flux2_klein, "
+                                "hidream, sdxl, wan21, wan22")
 
 
 @pytest.mark.parametrize("stem", sorted(NO_LORA))

@@ -45,7 +45,7 @@ def test_an_unknown_model_is_one_line_listing_the_families_without_a_relabelling
     assert str(raised.value) == (
         "<tiny flux job>: config.process[0].model: fitfinder does not support the model /models/something "
         "(neither model.arch, an is_* flag nor its name says which it is); "
-        "it supports: flux, hidream, sdxl, wan21, wan22")
+        "it supports: flux, flux2, flux2_klein, hidream, sdxl, wan21, wan22")
 
 
 @pytest.mark.parametrize("model, told", [
@@ -55,7 +55,8 @@ def test_an_unknown_model_is_one_line_listing_the_families_without_a_relabelling
     ({"is_v3": True}, "model.is_v3 but cannot probe the sd3 family yet"),
     ({"is_lumina2": True}, "model.is_lumina2 but cannot probe the lumina2 family yet"),
     ({"arch": "chroma"}, "model.arch 'chroma' but cannot probe the chroma family yet"),
-    ({"name_or_path": "/models/my-flux2-finetune"}, "/models/my-flux2-finetune but cannot probe the flux2 family yet"),
+    ({"name_or_path": "/models/my-zimage-finetune"},
+     "/models/my-zimage-finetune but cannot probe the zimage family yet"),
 ])
 def test_a_model_fitfinder_knows_but_cannot_probe_yet_is_named_with_its_family(model, told):
     job = tiny_job("flux")
@@ -63,7 +64,7 @@ def test_a_model_fitfinder_knows_but_cannot_probe_yet_is_named_with_its_family(m
     with pytest.raises(UserError) as raised:
         models.family_of(job)
     assert str(raised.value) == (f"<tiny flux job>: config.process[0].model: fitfinder knows {told}; "
-                                 "it supports: flux, hidream, sdxl, wan21, wan22")
+                                 "it supports: flux, flux2, flux2_klein, hidream, sdxl, wan21, wan22")
 
 
 @pytest.mark.parametrize("model, family", [
@@ -86,6 +87,19 @@ def test_hidream_resolves_by_arch_shipped_name_and_name_hint(model):
     assert models.family_of(job) == "hidream"
 
 
+@pytest.mark.parametrize("model, family", [
+    ({"arch": "flux2"}, "flux2"), ({"name_or_path": "black-forest-labs/FLUX.2-dev"}, "flux2"),
+    ({"name_or_path": "/models/my-flux2-finetune"}, "flux2"),
+    ({"arch": "flux2_klein_4b"}, "flux2_klein"), ({"arch": "flux2_klein_9b"}, "flux2_klein"),
+    ({"name_or_path": "black-forest-labs/FLUX.2-klein-base-9B"}, "flux2_klein"),
+    ({"name_or_path": "/models/my-flux2-klein-finetune"}, "flux2_klein"),
+])
+def test_flux2_and_klein_resolve_to_their_families(model, family):
+    job = tiny_job("flux")
+    job.process["model"] = model
+    assert models.family_of(job) == family
+
+
 def test_an_unknown_arch_is_reported_by_the_job_file_without_a_relabelling_hint():
     from fitfinder import jobconfig
     from fitfinder.errors import ConfigError
@@ -93,7 +107,7 @@ def test_an_unknown_arch_is_reported_by_the_job_file_without_a_relabelling_hint(
     with pytest.raises(ConfigError) as raised:
         jobconfig.loads(tiny_job("flux", {"model.arch": "anima"}).dumps())
     assert raised.value.problems == ["config.process[0].model.arch: fitfinder does not support the model 'anima'; "
-                                     "it supports: flux, hidream, sdxl, wan21, wan22"]
+                                     "it supports: flux, flux2, flux2_klein, hidream, sdxl, wan21, wan22"]
 
 
 def test_the_wan22_reference_job_resolves_to_its_family_and_arch():
