@@ -27,10 +27,11 @@ SUPPORTED = {
     "train_lora_lumina": "lumina2", "train_full_fine_tune_lumina": "lumina2",
     "ui_zimage_turbo": "zimage-turbo",
     "ui_ltx2": "ltx2",
+    "train_lora_hidream_48": "hidream-i1-full",
+    "ui_flux2": "flux2-dev", "ui_flux2_klein_4b": "flux2-klein-4b", "ui_flux2_klein_9b": "flux2-klein-9b",
 }
 # Known to fitfinder, with an architecture config, but no family module yet: what the CLI says.
 NOT_YET = {
-    "train_lora_hidream_48": ("model.arch 'hidream'", "hidream"),
     "train_lora_qwen_image_24gb": ("model.arch 'qwen_image'", "qwen_image"),
     "train_lora_qwen_image_edit_32gb": ("model.arch 'qwen_image_edit'", "qwen_image"),
     "train_lora_qwen_image_edit_2509_32gb": ("model.arch 'qwen_image_edit_plus'", "qwen_image"),

@@ -60,9 +60,6 @@ def test_an_unknown_model_is_one_line_listing_the_families_without_a_relabelling
 @pytest.mark.parametrize("model, told", [
     ({"arch": "qwen_image"}, "model.arch 'qwen_image' but cannot probe the qwen_image family yet"),
     ({"arch": "ltx2.3"}, "model.arch 'ltx2.3' but cannot probe the ltx2.3 family yet"),
-    ({"name_or_path": "HiDream-ai/HiDream-I1-Full"},
-     "HiDream-ai/HiDream-I1-Full (hidream-i1-full) but cannot probe the hidream family yet"),
-    ({"name_or_path": "/models/my-flux2-finetune"}, "/models/my-flux2-finetune but cannot probe the flux2 family yet"),
 ])
 def test_a_model_fitfinder_knows_but_cannot_probe_yet_is_named_with_its_family(model, told):
     job = tiny_job("flux")
@@ -95,6 +92,27 @@ def test_flux_1_variants_resolve_to_the_flux_family(model, family):
     ({"name_or_path": "lodestones/Chroma1-HD"}, "chroma"),
 ])
 def test_flux_derived_models_resolve_to_their_own_families(model, family):
+    job = tiny_job("flux")
+    job.process["model"] = model
+    assert models.family_of(job) == family
+
+
+@pytest.mark.parametrize("model", [{"arch": "hidream"}, {"name_or_path": "HiDream-ai/HiDream-I1-Full"},
+                                   {"name_or_path": "/models/my-hidream-i1-finetune"}])
+def test_hidream_resolves_by_arch_shipped_name_and_name_hint(model):
+    job = tiny_job("flux")
+    job.process["model"] = model
+    assert models.family_of(job) == "hidream"
+
+
+@pytest.mark.parametrize("model, family", [
+    ({"arch": "flux2"}, "flux2"), ({"name_or_path": "black-forest-labs/FLUX.2-dev"}, "flux2"),
+    ({"name_or_path": "/models/my-flux2-finetune"}, "flux2"),
+    ({"arch": "flux2_klein_4b"}, "flux2_klein"), ({"arch": "flux2_klein_9b"}, "flux2_klein"),
+    ({"name_or_path": "black-forest-labs/FLUX.2-klein-base-9B"}, "flux2_klein"),
+    ({"name_or_path": "/models/my-flux2-klein-finetune"}, "flux2_klein"),
+])
+def test_flux2_and_klein_resolve_to_their_families(model, family):
     job = tiny_job("flux")
     job.process["model"] = model
     assert models.family_of(job) == family

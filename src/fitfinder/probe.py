@@ -131,7 +131,9 @@ def _trained_weights(job) -> dict[str, Any]:
                 "only_if_contains": list(job.get("model.only_if_contains", None) or []),
                 "ignore_if_contains": list(job.get("model.ignore_if_contains", None) or [])}
     return {"rank": int(job.get("network.linear", None) or job.get("network.rank")),
-            "alpha": float(job.get("network.linear_alpha", None) or job.get("network.alpha", 1.0))}
+            "alpha": float(job.get("network.linear_alpha", None) or job.get("network.alpha", 1.0)),
+            # AI Toolkit's LoRA leaves out the layers whose names hold one of these (lora_special.py)
+            "lora_ignore": [str(word) for word in job.get("network.network_kwargs.ignore_if_contains", None) or []]}
 
 
 def _ema_decay(job) -> float | None:

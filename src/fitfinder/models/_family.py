@@ -54,9 +54,6 @@ class Family:
     # The text encoders of `quantized_text_encoders` follow `model.quantize` instead of `model.quantize_te`
     # (SD3: AI Toolkit's is_v3 loader quantizes T5 whenever it quantizes the transformer).
     te_quantized_with_denoiser: bool = False
-    # Parts AI Toolkit quantizes in host memory (a block at a time on the device) and moves to the
-    # device quantized, with or without low_vram (Z-Image's transformer: OstrisModelMixin.quantize_).
-    quantized_on_host: tuple[str, ...] = ()
     # Parts that encode each training sample's conditioning for the denoiser (Wan 2.1 I2V's CLIP
     # vision tower), loaded after the VAE, never quantized, never unloaded: AI Toolkit's device
     # presets leave them where they are (see probe.resident).
@@ -66,6 +63,16 @@ class Family:
     companions: dict = field(default_factory=dict)
     # Part -> attribute paths AI Toolkit sets to None right after loading it (LTX-2's Gemma 3 vision tower).
     dropped: dict = field(default_factory=dict)
+    # The order AI Toolkit's loader brings the parts onto the device when it is not `parts`
+    # (denoisers, encoders, VAE): HiDream loads and quantizes Llama before the transformer, so the
+    # bf16 transformer lands next to an already quantized Llama. Empty: `parts`.
+    load_order: tuple[str, ...] = ()
+    # Where AI Toolkit's loader quantizes a part, "host" or "device", when that does not follow
+    # low_vram (host with it, device without): FLUX.2 and Z-Image quantize their transformer in host
+    # memory always (quantize_model, OstrisModelMixin.quantize_: a block at a time on the device, back
+    # to the CPU) and FLUX.2 its Mistral on the device always, in bf16 there first, then parks it on
+    # the CPU under low_vram.
+    quantized_on: dict = field(default_factory=dict)
 
     @property
     def parts(self) -> tuple[str, ...]:

@@ -3,9 +3,10 @@
 Loading follows AI Toolkit's order and placement: the denoiser(s) first, then the text
 encoder(s), then the VAE. Without `low_vram` each part goes onto the device as it is loaded and
 is quantized there (the full-precision weights sit on the device until their layer is swapped,
-which is why quantizing a large model can run out of memory at load); a family's `quantized_on_host`
-parts are quantized in host memory and arrive quantized. With `low_vram` every part is loaded and
-quantized in host memory and comes onto the device only when a phase uses it.
+which is why quantizing a large model can run out of memory at load). With `low_vram` every part
+is loaded and quantized in host memory and comes onto the device only when a phase uses it.
+A family's `quantized_on` overrides where a part is quantized when its loader does otherwise
+(FLUX.2: the transformer always in host memory, Mistral always on the device).
 """
 
 from __future__ import annotations
@@ -56,9 +57,10 @@ def load(spec: dict, settings: dict, meter) -> Pipeline:
     """Every part, quantized as the job says, with a LoRA on each trained denoiser."""
     pipe = Pipeline(spec, settings, meter)
     low_vram = settings["low_vram"]
-    for part in pipe.family.parts:
+    for part in pipe.family.load_order or pipe.family.parts:
         qtype = _quantization(pipe.family, part, settings)
-        on_host = low_vram or bool(qtype and part in pipe.family.quantized_on_host)
+        usual = "host" if low_vram else "device"
+        on_host = (pipe.family.quantized_on.get(part, usual) if qtype else usual) == "host"
         with meter.host():
             module = _build(spec, part, pipe.dtype, "cpu" if on_host else meter.device, meter)
             for path in pipe.family.dropped.get(part, ()):  # gone before anything counts it
@@ -67,10 +69,11 @@ def load(spec: dict, settings: dict, meter) -> Pipeline:
             if qtype and on_host:
                 quantize(module, qtype, meter.repeated)
         pipe.parts[part] = module
-        if not low_vram:
+        if not on_host:
             pipe.place(pipe.on_device | {part})
-            if qtype and not on_host:
+            if qtype:
                 quantize(pipe.parts[part], qtype, meter.repeated)
+        pipe.place(pipe.on_device - {part} if low_vram else pipe.on_device | {part})
     make_trainable = _add_lora if settings["rank"] else _train_whole
     for name in settings["trained"]:
         if name in pipe.on_device:
@@ -113,6 +116,10 @@ def _add_lora(pipe: Pipeline, name: str, settings: dict) -> None:
     denoiser = pipe.parts[name]
     torch.manual_seed(settings.get("seed", 0))
     targets = lora_targets(denoiser, pipe.family.lora_blocks)
+    # network.network_kwargs.ignore_if_contains: AI Toolkit skips every layer whose name holds one
+    # (toolkit/lora_special.py, LoRASpecialNetwork.create_modules; HiDream's example leaves the MoE out).
+    ignored = settings.get("lora_ignore") or []
+    targets = [name for name in targets if not any(word in name for word in ignored)]
     config = LoraConfig(r=settings["rank"], lora_alpha=settings["alpha"], target_modules=targets,
                         init_lora_weights="gaussian")
     with pipe.meter.host():

@@ -29,7 +29,7 @@ FAMILY = Family(
     te_qtype_key="qtype_te",
     text_seq_len=512,  # ZImagePipeline.encode_prompt's max_sequence_length
     tokenizer="tokenizer",
-    quantized_on_host=("transformer",),
+    quantized_on={"transformer": "host"},
 )
 
 
