@@ -48,6 +48,15 @@ class Family:
     index_defaults: dict = field(default_factory=dict)
     # Denoiser -> `model.model_kwargs` key that turns its training off (Wan 2.2's two experts).
     expert_switches: dict = field(default_factory=dict)
+    # Submodules AI Toolkit's loader drops from a part before it reaches the device, by attribute
+    # path (Qwen-Image: `text_encoder.model.visual = None`): part -> paths.
+    dropped_modules: dict = field(default_factory=dict)
+    # Parts whose quantization and placement AI Toolkit does not tie to `low_vram`: `host_quantized`
+    # parts are quantized in host memory (block by block) and reach the device already quantized
+    # (low_vram still parks them on the host); `device_loaded` parts go to the device in full
+    # precision, are quantized there, and stay there after load, low_vram or not.
+    host_quantized: tuple[str, ...] = ()
+    device_loaded: tuple[str, ...] = ()
 
     @property
     def parts(self) -> tuple[str, ...]:

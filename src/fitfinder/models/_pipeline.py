@@ -5,6 +5,9 @@ encoder(s), then the VAE. Without `low_vram` each part goes onto the device as i
 is quantized there (the full-precision weights sit on the device until their layer is swapped,
 which is why quantizing a large model can run out of memory at load). With `low_vram` every part
 is loaded and quantized in host memory and comes onto the device only when a phase uses it.
+A family says where its loader departs from that (Family.host_quantized, device_loaded: Qwen-Image's
+transformer is quantized in host memory either way, its text encoder on the device either way) and
+what it drops before placing a part (Family.dropped_modules).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ class Pipeline:
         self.parts: dict[str, torch.nn.Module] = {}
         self.on_device: set[str] = set()
         self.inputs = Inputs(meter.device, self.dtype, settings.get("seed", 0), int(self.arch.get("text_seq_len", 512)))
+        # Recipe code that reads tensor values runs under it (a fake tensor has none: the estimate).
+        self.inputs.concrete = meter.concrete
         self.recipe = self.family.recipe(self.arch, self.inputs)
 
     def place(self, wanted: set[str]) -> None:
@@ -53,16 +58,23 @@ def load(spec: dict, settings: dict, meter) -> Pipeline:
     """Every part, quantized as the job says, with a LoRA on each trained denoiser."""
     pipe = Pipeline(spec, settings, meter)
     low_vram = settings["low_vram"]
-    for part in pipe.family.parts:
-        qtype = _quantization(pipe.family, part, settings)
+    family = pipe.family
+    for part in family.parts:
+        qtype = _quantization(family, part, settings)
+        on_device = not low_vram or part in family.device_loaded
+        quantized_on_host = bool(qtype) and (not on_device or part in family.host_quantized)
+        built_on = meter.device if on_device and not quantized_on_host else "cpu"
         with meter.host():
-            module = _build(spec, part, pipe.dtype, "cpu" if low_vram else meter.device, meter)
-            if qtype and low_vram:
+            module = _build(spec, part, pipe.dtype, built_on, meter)
+            for path in family.dropped_modules.get(part, ()):
+                parent, _, name = path.rpartition(".")
+                setattr(module.get_submodule(parent), name, None)
+            if quantized_on_host:
                 quantize(module, qtype, meter.repeated)
         pipe.parts[part] = module
-        if not low_vram:
+        if on_device:
             pipe.place(pipe.on_device | {part})
-            if qtype:
+            if qtype and not quantized_on_host:
                 quantize(pipe.parts[part], qtype, meter.repeated)
     make_trainable = _add_lora if settings["rank"] else _train_whole
     for name in settings["trained"]:
