@@ -19,7 +19,8 @@ SUPPORTED = {
     "train_lora_wan21_14b_24gb": "wan21-14b", "train_lora_wan21_1b_24gb": "wan21-1.3b",
     "train_lora_wan22_14b_24gb": "wan22-14b",
     "train_full_fine_tune_flex": "flex1-alpha",
-    "train_lora_qwen_image_24gb": "qwen-image",
+    "train_lora_qwen_image_24gb": "qwen-image", "train_lora_qwen_image_edit_32gb": "qwen-image-edit",
+    "train_lora_qwen_image_edit_2509_32gb": "qwen-image-edit-2509",
 }
 # Known to fitfinder, with an architecture config, but no family module yet: what the CLI says.
 NOT_YET = {
@@ -27,8 +28,6 @@ NOT_YET = {
     "train_lora_flex2_24gb": ("model.arch 'flex2'", "flex2"),
     "train_lora_chroma_24gb": ("model.arch 'chroma'", "chroma"),
     "train_lora_hidream_48": ("model.arch 'hidream'", "hidream"),
-    "train_lora_qwen_image_edit_32gb": ("model.arch 'qwen_image_edit'", "qwen_image_edit"),
-    "train_lora_qwen_image_edit_2509_32gb": ("model.arch 'qwen_image_edit_plus'", "qwen_image_edit_plus"),
     "train_lora_sd35_large_24gb": ("model.is_v3", "sd3"),
     "train_lora_lumina": ("model.is_lumina2", "lumina2"),
     "train_full_fine_tune_lumina": ("model.is_lumina2", "lumina2"),
@@ -75,8 +74,8 @@ def test_jobs_of_families_to_come_read_and_are_told_so_in_one_line(stem, tmp_pat
     model, family = NOT_YET[stem]
     done = run_cli("estimate", str(path), "--vram", "24GiB", cwd=tmp_path)
     assert_one_clean_line(done, f"fitfinder: error: {path}: config.process[0].model: fitfinder knows {model} but "
-                                f"cannot probe the {family} family yet; it supports: flux, qwen_image, sdxl, "
-                                "wan21, wan22")
+                                f"cannot probe the {family} family yet; it supports: flux, qwen_image, "
+                                "qwen_image_edit, qwen_image_edit_plus, sdxl, wan21, wan22")
 
 
 @pytest.mark.parametrize("stem", sorted(NO_LORA))

@@ -44,8 +44,8 @@ def test_an_unknown_model_is_one_line_listing_the_families_without_a_relabelling
         models.family_of(job)
     assert str(raised.value) == (
         "<tiny flux job>: config.process[0].model: fitfinder does not support the model /models/something "
-        "(neither model.arch, an is_* flag nor its name says which it is); it supports: flux, qwen_image, sdxl, "
-        "wan21, wan22")
+        "(neither model.arch, an is_* flag nor its name says which it is); it supports: "
+        "flux, qwen_image, qwen_image_edit, qwen_image_edit_plus, sdxl, wan21, wan22")
 
 
 @pytest.mark.parametrize("model, told", [
@@ -64,7 +64,8 @@ def test_a_model_fitfinder_knows_but_cannot_probe_yet_is_named_with_its_family(m
     with pytest.raises(UserError) as raised:
         models.family_of(job)
     assert str(raised.value) == (f"<tiny flux job>: config.process[0].model: fitfinder knows {told}; "
-                                 "it supports: flux, qwen_image, sdxl, wan21, wan22")
+                                 "it supports: flux, qwen_image, qwen_image_edit, qwen_image_edit_plus, sdxl, "
+                                 "wan21, wan22")
 
 
 @pytest.mark.parametrize("model, family", [
@@ -86,7 +87,8 @@ def test_an_unknown_arch_is_reported_by_the_job_file_without_a_relabelling_hint(
     with pytest.raises(ConfigError) as raised:
         jobconfig.loads(tiny_job("flux", {"model.arch": "anima"}).dumps())
     assert raised.value.problems == ["config.process[0].model.arch: fitfinder does not support the model 'anima'; "
-                                     "it supports: flux, qwen_image, sdxl, wan21, wan22"]
+                                     "it supports: flux, qwen_image, qwen_image_edit, qwen_image_edit_plus, "
+                                     "sdxl, wan21, wan22"]
 
 
 def test_the_wan22_reference_job_resolves_to_its_family_and_arch():

@@ -58,7 +58,6 @@ FAMILIES: dict[str, Family] = _family_modules()
 # adding a family needs no edit here (delete its rows when you add it, to keep this list honest).
 _TO_COME_ARCH_VALUES = {
     "flux_kontext": "flux_kontext", "flex2": "flex2", "chroma": "chroma", "hidream": "hidream",
-    "qwen_image_edit": "qwen_image_edit", "qwen_image_edit_plus": "qwen_image_edit_plus",
     "sd3": "sd3", "lumina2": "lumina2", "omnigen2": "omnigen2",
     "flux2": "flux2", "flux2_klein_4b": "flux2", "flux2_klein_9b": "flux2", "zimage": "zimage",
     "wan21_i2v": "wan21_i2v", "wan22_14b_i2v": "wan22_i2v", "wan22_5b": "wan22_5b",
@@ -68,7 +67,7 @@ _TO_COME_ARCH_VALUES = {
 _TO_COME_FLAGS = {"is_v3": "sd3", "is_lumina2": "lumina2"}
 _TO_COME_NAME_HINTS = {
     "flux2": "flux2", "kontext": "flux_kontext", "flex2": "flex2", "chroma": "chroma", "hidream": "hidream",
-    "qwenimageedit": "qwen_image_edit", "lumina": "lumina2", "omnigen": "omnigen2", "stablediffusion3": "sd3",
+    "lumina": "lumina2", "omnigen": "omnigen2", "stablediffusion3": "sd3",
     "sd35": "sd3", "zimage": "zimage", "ltx2": "ltx2", "ti2v": "wan22_5b", "wan22ti2v": "wan22_5b",
     "wan225b": "wan22_5b", "wan22i2v": "wan22_i2v", "wan21i2v": "wan21_i2v",
 }
