@@ -29,12 +29,11 @@ SUPPORTED = {
     "ui_ltx2": "ltx2",
     "train_lora_hidream_48": "hidream-i1-full",
     "ui_flux2": "flux2-dev", "ui_flux2_klein_4b": "flux2-klein-4b", "ui_flux2_klein_9b": "flux2-klein-9b",
+    "train_lora_qwen_image_24gb": "qwen-image", "train_lora_qwen_image_edit_32gb": "qwen-image-edit",
+    "train_lora_qwen_image_edit_2509_32gb": "qwen-image-edit-2509",
 }
 # Known to fitfinder, with an architecture config, but no family module yet: what the CLI says.
 NOT_YET = {
-    "train_lora_qwen_image_24gb": ("model.arch 'qwen_image'", "qwen_image"),
-    "train_lora_qwen_image_edit_32gb": ("model.arch 'qwen_image_edit'", "qwen_image"),
-    "train_lora_qwen_image_edit_2509_32gb": ("model.arch 'qwen_image_edit_plus'", "qwen_image"),
     "train_lora_omnigen2_24gb": ("model.arch 'omnigen2'", "omnigen2"),
 }
 # Jobs that train an adapter (Redux), neither a LoRA nor the denoiser: refused by the job file's checks.

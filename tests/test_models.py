@@ -58,7 +58,7 @@ def test_an_unknown_model_is_one_line_listing_the_families_without_a_relabelling
 
 
 @pytest.mark.parametrize("model, told", [
-    ({"arch": "qwen_image"}, "model.arch 'qwen_image' but cannot probe the qwen_image family yet"),
+    ({"arch": "omnigen2"}, "model.arch 'omnigen2' but cannot probe the omnigen2 family yet"),
     ({"arch": "ltx2.3"}, "model.arch 'ltx2.3' but cannot probe the ltx2.3 family yet"),
 ])
 def test_a_model_fitfinder_knows_but_cannot_probe_yet_is_named_with_its_family(model, told):

@@ -546,14 +546,26 @@ def _prime_optimizer(pipe, request: dict, optimizer, keep_gradients: bool) -> No
     trained = request["trained"]
     for name in trained:
         pipe.place(resident("train", request, pipe.family, active=name))
-        for param in pipe.trainable_parameters([name]):
+        for param in _reached_by_the_loss(pipe, name):
             param.grad = torch.zeros_like(param)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     if keep_gradients:
-        for param in pipe.trainable_parameters(trained[:1]):
+        for param in _reached_by_the_loss(pipe, trained[0]):
             param.grad = torch.zeros_like(param)
     pipe.meter.register(optimizer)
+
+
+def _reached_by_the_loss(pipe, name: str) -> list:
+    """The trainable parameters a training step gives a gradient: all but those the recipe names in
+    `without_gradient(denoiser)` (Qwen-Image's last block's text stream, whose output nothing reads);
+    an optimizer makes no state for a parameter without a gradient, so priming must not either."""
+    params = pipe.trainable_parameters([name])
+    unreached = getattr(pipe.recipe, "without_gradient", None)
+    if unreached is None:
+        return params
+    skipped = {id(param) for param in unreached(pipe.parts[name])}
+    return [param for param in params if id(param) not in skipped]
 
 
 def _training_latents(pipe, request: dict, side: int, frames: int, heaviest: bool):

@@ -57,13 +57,12 @@ FAMILIES: dict[str, Family] = _family_modules()
 # of one is told so by name. A family module that claims one of these names takes precedence, so
 # adding a family needs no edit here (delete its rows when you add it, to keep this list honest).
 _TO_COME_ARCH_VALUES = {
-    "qwen_image": "qwen_image", "qwen_image_edit": "qwen_image", "qwen_image_edit_plus": "qwen_image",
     "omnigen2": "omnigen2", "ltx2.3": "ltx2.3", "ltx2.5": "ltx2.5",
 }
 # AI Toolkit's ModelConfig flags (is_v3, is_lumina2) name families that have their module now.
 _TO_COME_FLAGS: dict[str, str] = {}
 _TO_COME_NAME_HINTS = {
-    "qwenimage": "qwen_image", "omnigen": "omnigen2", "ltx23": "ltx2.3", "ltx25": "ltx2.5",
+    "omnigen": "omnigen2", "ltx23": "ltx2.3", "ltx25": "ltx2.5",
 }
 
 # AI Toolkit's `model.arch` values (the part before a ':' such as in 'wan21:14b') -> family.

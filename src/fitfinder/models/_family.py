@@ -73,6 +73,9 @@ class Family:
     # to the CPU) and FLUX.2 its Mistral on the device always, in bf16 there first, then parks it on
     # the CPU under low_vram.
     quantized_on: dict = field(default_factory=dict)
+    # Parts that stay on the device once loaded, low_vram or not (Qwen-Image's Qwen2.5-VL: loaded and
+    # quantized on the device, where AI Toolkit leaves it).
+    kept_on_device: tuple[str, ...] = ()
 
     @property
     def parts(self) -> tuple[str, ...]:

@@ -5,8 +5,10 @@ encoder(s), then the VAE. Without `low_vram` each part goes onto the device as i
 is quantized there (the full-precision weights sit on the device until their layer is swapped,
 which is why quantizing a large model can run out of memory at load). With `low_vram` every part
 is loaded and quantized in host memory and comes onto the device only when a phase uses it.
-A family's `quantized_on` overrides where a part is quantized when its loader does otherwise
-(FLUX.2: the transformer always in host memory, Mistral always on the device).
+A family says where its loader departs from that (Family.quantized_on: FLUX.2, Z-Image and
+Qwen-Image quantize the transformer in host memory either way, FLUX.2 its Mistral on the device;
+Family.kept_on_device: Qwen-Image's text encoder stays on the device), the order it loads in
+(Family.load_order) and what it drops from a part before placing it (Family.dropped).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class Pipeline:
         self.on_device: set[str] = set()
         self.inputs = Inputs(meter.device, self.dtype, settings.get("seed", 0), int(self.arch.get("text_seq_len", 512)))
         self.settings = settings
+        # Recipe code that reads tensor values runs under it (a fake tensor has none: the estimate).
+        self.inputs.concrete = meter.concrete
         self.recipe = self.family.recipe(self.arch, self.inputs)
         self.recipe.pipeline = self  # a recipe that calls a companion part (LTX-2's connectors) finds it here
 
@@ -57,13 +61,15 @@ def load(spec: dict, settings: dict, meter) -> Pipeline:
     """Every part, quantized as the job says, with a LoRA on each trained denoiser."""
     pipe = Pipeline(spec, settings, meter)
     low_vram = settings["low_vram"]
-    for part in pipe.family.load_order or pipe.family.parts:
-        qtype = _quantization(pipe.family, part, settings)
-        usual = "host" if low_vram else "device"
-        on_host = (pipe.family.quantized_on.get(part, usual) if qtype else usual) == "host"
+    family = pipe.family
+    for part in family.load_order or family.parts:
+        qtype = _quantization(family, part, settings)
+        kept = part in family.kept_on_device or not low_vram  # on the device once loaded
+        usual = "device" if kept else "host"
+        on_host = (family.quantized_on.get(part, usual) if qtype else usual) == "host"
         with meter.host():
             module = _build(spec, part, pipe.dtype, "cpu" if on_host else meter.device, meter)
-            for path in pipe.family.dropped.get(part, ()):  # gone before anything counts it
+            for path in family.dropped.get(part, ()):  # gone before anything counts it
                 owner, _, name = path.rpartition(".")
                 setattr(module.get_submodule(owner), name, None)
             if qtype and on_host:
@@ -73,7 +79,7 @@ def load(spec: dict, settings: dict, meter) -> Pipeline:
             pipe.place(pipe.on_device | {part})
             if qtype:
                 quantize(pipe.parts[part], qtype, meter.repeated)
-        pipe.place(pipe.on_device - {part} if low_vram else pipe.on_device | {part})
+        pipe.place(pipe.on_device | {part} if kept else pipe.on_device - {part})
     make_trainable = _add_lora if settings["rank"] else _train_whole
     for name in settings["trained"]:
         if name in pipe.on_device:
