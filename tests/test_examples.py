@@ -11,7 +11,8 @@ AITK_COMMIT = "27a03a91f23eb1b757d5ec2e80ee3e129cfcc350"
 
 # Every training example of AI Toolkit's config/examples/ at that commit (train_slider.example.yml
 # trains an SD 1.5 slider without a dataset, and extract, generate and mod_lora_scale train nothing),
-# and one job per video arch of its UI without an example: the shipped architecture each resolves to.
+# and one job per arch of its UI that has no example (video, Z-Image, FLUX.2): the shipped
+# architecture each resolves to.
 SUPPORTED = {
     "train_lora_flux_24gb": "flux-dev", "modal_train_lora_flux_24gb": "flux-dev",
     "train_lora_flux_schnell_24gb": "flux-schnell", "modal_train_lora_flux_schnell_24gb": "flux-schnell",

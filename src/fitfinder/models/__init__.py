@@ -1,6 +1,6 @@
 """Model families: which one a job trains, its architecture, where its weights come from.
 
-Each family is one module of this package (`flux`, `sdxl`, `wan21`, `wan22`, `ltx2`): its declaration
+Each family is one public module of this package (`flux.py`, `sdxl.py`, `wan22_5b.py`, ...): its declaration
 `FAMILY` (models/_family.py; no torch) and its `Recipe` (what it computes; probe children only).
 The registry below finds them; this module resolves a job's model to one as AI Toolkit does.
 
@@ -53,7 +53,7 @@ def _family_modules() -> dict[str, Family]:
 
 FAMILIES: dict[str, Family] = _family_modules()
 
-# Models AI Toolkit trains that no family module probes yet (issues 15, 16): named here so a job
+# Models AI Toolkit trains that no family module probes yet (OmniGen2, LTX-2.3/2.5): named here so a job
 # of one is told so by name. A family module that claims one of these names takes precedence, so
 # adding a family needs no edit here (delete its rows when you add it, to keep this list honest).
 _TO_COME_ARCH_VALUES = {
