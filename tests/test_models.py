@@ -118,6 +118,19 @@ def test_flux2_and_klein_resolve_to_their_families(model, family):
     assert models.family_of(job) == family
 
 
+@pytest.mark.parametrize("model, family", [
+    ({"arch": "qwen_image"}, "qwen_image"), ({"arch": "qwen_image:2512"}, "qwen_image"),
+    ({"arch": "qwen_image_edit"}, "qwen_image_edit"), ({"arch": "qwen_image_edit_plus"}, "qwen_image_edit_plus"),
+    ({"name_or_path": "Qwen/Qwen-Image"}, "qwen_image"), ({"name_or_path": "Qwen/Qwen-Image-Edit"}, "qwen_image_edit"),
+    ({"name_or_path": "Qwen/Qwen-Image-Edit-2509"}, "qwen_image_edit_plus"),
+    ({"name_or_path": "/models/my-qwen-image-edit-2509-finetune"}, "qwen_image_edit_plus"),  # the longest hint
+])
+def test_qwen_image_and_its_edit_models_resolve_to_their_families(model, family):
+    job = tiny_job("flux")
+    job.process["model"] = model
+    assert models.family_of(job) == family
+
+
 def test_an_unknown_arch_is_reported_by_the_job_file_without_a_relabelling_hint():
     from fitfinder import jobconfig
     from fitfinder.errors import ConfigError
