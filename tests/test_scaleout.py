@@ -125,7 +125,8 @@ def test_a_killed_worker_is_replaced_and_its_trial_retried(workdir, demo_run):
 def test_a_study_whose_budget_is_the_card_refuses_a_card_of_another_size(tmp_path):
     """Each trial records its card; a worker on a card of another size is refused, with the way
     out (--vram: one budget for all). The cards here are NVML readings written as they would be."""
-    from fitfinder import jobconfig, space as spaces, study as studies, worker
+    from fitfinder import jobconfig, space as spaces
+    from fitfinder.search import study as studies, worker
     from fitfinder.errors import UserError
     from tests.conftest import DEMO
 

@@ -31,7 +31,7 @@ from fitfinder.jobconfig import (AITK_DEFAULTS, FRAMES, PIXELS, RANKS, JobFile, 
 
 Point = dict[str, Any]  # knob name -> one of its candidates (a JSON scalar)
 
-# Phases of a probe, in the order they run (see probe.py).
+# Phases of a probe, in the order they run (see probe/recipe.py).
 PHASES = ("load", "text_encoder", "latents", "sample", "train", "last_sample")
 _ALL = frozenset(PHASES)
 _DATA = frozenset({"latents", "train"})

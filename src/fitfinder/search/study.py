@@ -55,7 +55,8 @@ from pathlib import Path
 from typing import Any
 
 from fitfinder.errors import UserError
-from fitfinder.search import Knowledge, Result
+from fitfinder.probe import faults
+from fitfinder.search.planner import Knowledge, Result
 from fitfinder.space import Point, Space
 
 METRICS = ("quality", "seconds_per_sample")
@@ -500,8 +501,6 @@ def record(study, trial, space: Space, result: Result, probe_result: dict[str, A
 
 def _record(study, trial, space, result, probe_result, limit_bytes, purpose) -> None:
     from optuna.trial import TrialState
-
-    from fitfinder import faults
 
     attrs = {
         "purpose": purpose,

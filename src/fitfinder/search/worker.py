@@ -19,31 +19,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fitfinder import search
+from fitfinder import probe
 from fitfinder.errors import RunFailed, UserError
-from fitfinder.search import Result, Step
+from fitfinder.probe import faults, preflight
+from fitfinder.search import estimated, study as studies
+from fitfinder.search.planner import CONFIRM_FACTOR, Knowledge, Result, Step, next_step, result_from_probe
+from fitfinder.units import format_bytes
 
 
 def work(job, space, study, options, limit: int | None, out) -> None:
     """Probe the study's planned points until the plan is done or the trial cap is reached."""
-    from fitfinder import estimate, faults, probe, study as studies
-
     settings = job.settings
     log_dir = Path(options.results_dir) / options.study_name / "probes"
     log_dir.mkdir(parents=True, exist_ok=True)
     card = _card(options)
     _refuse_a_different_card(study, card, options.study_name)
     runner = probe.ProbeRunner(timeout_s=settings.probe_timeout)
-    bench = _Bench(runner, estimate.prescreen_for(options.prescreen, runner, settings.vram_bytes, options.meter,
+    bench = _Bench(runner, estimated.prescreen_for(options.prescreen, runner, settings.vram_bytes, options.meter,
                                                   options.gpu), faults.probe_faults(), log_dir, card,
-                   estimate.guide_for(options.guided, job, options.meter, options.gpu, runner))
+                   estimated.guide_for(options.guided, job, options.meter, options.gpu, runner))
     pause = 0.5  # while others probe what the plan waits for: short, probes can be too
     with out.progress(settings.trials, "probing"):
         while True:
             studies.fail_stale(study)
             known, pending = studies.read(study, space, limit)
-            search._stop_if_probes_keep_failing(known.results, log_dir)
-            step = search.next_step(space, known, pending, bench.guide)
+            stop_if_probes_keep_failing(known.results, log_dir)
+            step = next_step(space, known, pending, bench.guide)
             _record_decided(study, space, step.decided)
             if studies.probes_in(study) >= settings.trials:
                 return
@@ -75,11 +76,9 @@ class _Bench:
 def _probe(trial, job, space, study, options, limit, bench: _Bench, first_attempt: bool, out) -> None:
     """Probe the claimed trial's point and record it; a point the pre-screen estimates far over
     the budget is recorded as its predicted OOM instead."""
-    from fitfinder import faults, probe, study as studies
-
     faults.kill_if_at("claimed", trial.number)
     purpose = trial.user_attrs.get("purpose", "")
-    step = Step(dict(trial.params), purpose, search.CONFIRM_FACTOR if purpose == "confirm" else 1)
+    step = Step(dict(trial.params), purpose, CONFIRM_FACTOR if purpose == "confirm" else 1)
     settings = job.settings
     request = probe.request_for(space.apply(job, step.point), settings.probe_steps * step.steps_factor,
                                 options.meter, settings.vram_bytes, options.gpu)
@@ -100,11 +99,11 @@ def _probe(trial, job, space, study, options, limit, bench: _Bench, first_attemp
         study.tell(trial, state=studies.fail_state(), skip_if_finished=True)
         raise
     faults.kill_if_at("probed", trial.number)
-    result = search.result_from_probe(trial.number, step, outcome)
+    result = result_from_probe(trial.number, step, outcome)
     if bench.guide is not None:  # how far the estimate was: the band widens past a disagreement
         for key, value in bench.guide.disagreement(result).items():
             trial.set_user_attr(key, value)
-    judged = search.Knowledge(space, limit).add(result)
+    judged = Knowledge(space, limit).add(result)
     if studies.record(study, trial, space, judged, outcome, limit, purpose):
         faults.kill_if_at("recorded", trial.number)
         out.trial(space, judged, settings.vram_bytes, purpose)
@@ -113,8 +112,6 @@ def _probe(trial, job, space, study, options, limit, bench: _Bench, first_attemp
 
 def _kill_while_probing(trial_number: int) -> None:
     """FITFINDER_KILL_AT=probing:N: SIGKILL this process a moment after trial N's probe started."""
-    from fitfinder import faults
-
     if faults.kill_point() == ("probing", trial_number):
         timer = threading.Timer(0.3, faults.kill_if_at, args=("probing", trial_number))
         timer.daemon = True
@@ -122,8 +119,6 @@ def _kill_while_probing(trial_number: int) -> None:
 
 
 def _record_decided(study, space, decided: list[tuple[dict, Result]]) -> None:
-    from fitfinder import study as studies
-
     if not decided:
         return
     recorded = studies.decided_keys(study, space)
@@ -138,8 +133,6 @@ def _card(options) -> dict:
     """The card this worker measures on: its name and total memory (NVML, no CUDA context)."""
     if options.meter != "cuda":
         return {"name": "cpu (sim meter)", "total_bytes": None}
-    from fitfinder import preflight
-
     reading = preflight.read_card(options.gpu)  # device 0 of the worker: its CUDA_VISIBLE_DEVICES card
     return {"name": reading.name, "total_bytes": reading.total_bytes}
 
@@ -151,8 +144,6 @@ def _refuse_a_different_card(study, card: dict, name: str) -> None:
     for trial in study.get_trials(deepcopy=False):
         other = trial.user_attrs.get("card_total_bytes")
         if other and other != card["total_bytes"]:
-            from fitfinder.units import format_bytes
-
             raise UserError(
                 f"study {name!r} was measured on {trial.user_attrs.get('card')} ({format_bytes(other)}); "
                 f"this card is a {card['name']} ({format_bytes(card['total_bytes'])}): give --vram to "
@@ -212,3 +203,16 @@ def worker_command(job, options, url: str, index: int) -> list[str]:
 def _relay(process, prefix: str, out) -> None:
     for line in process.stdout:
         out.line(prefix + line.rstrip("\n"))
+
+
+# -- probes that keep failing ----------------------------------------------------------------------
+MAX_ERRORS_IN_A_ROW = 5
+
+
+def stop_if_probes_keep_failing(results: list[Result], log_dir) -> None:
+    """Errors are not OOMs: when every recent probe fails with one, the job itself is broken."""
+    recent = results[-MAX_ERRORS_IN_A_ROW:]
+    if len(recent) == MAX_ERRORS_IN_A_ROW and all(r.status in ("error", "timeout") for r in recent):
+        last = recent[-1]
+        raise RunFailed(f"the last {MAX_ERRORS_IN_A_ROW} probes failed with errors, not out of memory: "
+                        f"{(last.error or '').splitlines()[0][:300]}; see {log_dir}/trial-{last.trial:04d}.log")

@@ -1,0 +1,143 @@
+"""A probe's request, built in the parent from a job file with AI Toolkit's defaults (no torch here).
+
+See protocol.py for every field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from fitfinder import jobconfig, models
+from fitfinder.errors import UserError
+
+# Denoising steps of a preview in a probe: each step costs the same memory, so two show the
+# peak (and that it holds from one step to the next) at a tenth of the time of 20 or 30.
+SAMPLE_STEPS = 2
+
+
+def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int = 0,
+                spec: dict | None = None) -> dict[str, Any]:
+    """Everything a probe needs, read from the job file with AI Toolkit's defaults (`spec`: the
+    model, when the caller has it another way, such as an estimate's weightless architecture)."""
+    spec = spec or models.model_spec(job)
+    family = models.FAMILIES[spec["family"]]
+    quantize_te = job.get("model.quantize_te", None)
+    if quantize_te is None:  # AI Toolkit: quantize_te defaults to quantize
+        quantize_te = job.get("model.quantize")
+    # The families probed here quantize their T5/UMT5 encoder with model.qtype, not qtype_te (see
+    # models.Family.quantized_text_encoders).
+    qtype = str(job.get("model.qtype")).split("|")[0].strip().lower()
+    bits = jobconfig.qtype_bits(qtype)[0]
+    return {
+        "model": spec,
+        "dtype": jobconfig.DTYPES[str(job.get("train.dtype")).lower()],
+        "quantize": bits if job.get("model.quantize") else None, "quant_type": qtype,
+        "quantize_te": bits if quantize_te else None, "quant_type_te": qtype,
+        "low_vram": bool(job.get("model.low_vram")),
+        "text_encoder": _text_encoder_mode(job),
+        "cache_latents": _latents_cached(job),
+        "shapes": _shapes(job, family.video),
+        "batch_size": int(job.get("train.batch_size")),
+        "accumulation": job.accumulation,
+        "gradient_checkpointing": bool(job.get("train.gradient_checkpointing")),
+        **_trained_weights(job),
+        "optimizer": jobconfig.optimizer_name(job.get("train.optimizer")),
+        "optimizer_params": json.loads(json.dumps(job.get("train.optimizer_params", None) or {})),
+        "ema_decay": _ema_decay(job),
+        "lr": float(job.get("train.lr")),
+        "trained": _trained_denoisers(job, family),
+        "switch_every": int(job.get("train.switch_boundary_every")),
+        "sample": _sample_settings(job, family.video),
+        # AI Toolkit counts a step per micro-batch with gradient_accumulation_steps and samples on
+        # that count (BaseSDTrainProcess.run), so a preview can land while gradients accumulate.
+        "preview_holds_gradients": int(job.get("train.gradient_accumulation_steps")) > 1,
+        "steps": int(steps),
+        "meter": meter,
+        "budget_bytes": budget_bytes,
+        "gpu": gpu,
+        "seed": 0,
+    }
+
+
+def _trained_weights(job) -> dict[str, Any]:
+    """A LoRA's rank and alpha; or, without `network` (a full fine-tune), rank None and the
+    parameter name filters AI Toolkit applies to the denoiser (model.only_if_contains and
+    ignore_if_contains, matched as substrings of "transformer.NAME" / "unet.NAME")."""
+    if jobconfig.is_full_fine_tune(job):
+        return {"rank": None, "alpha": None,
+                "only_if_contains": list(job.get("model.only_if_contains", None) or []),
+                "ignore_if_contains": list(job.get("model.ignore_if_contains", None) or [])}
+    return {"rank": int(job.get("network.linear", None) or job.get("network.rank")),
+            "alpha": float(job.get("network.linear_alpha", None) or job.get("network.alpha", 1.0))}
+
+
+def _ema_decay(job) -> float | None:
+    """train.ema_config: None without EMA; AI Toolkit's decay defaults to 0.999."""
+    if not job.get("train.ema_config.use_ema"):
+        return None
+    return float(job.get("train.ema_config.ema_decay", None) or 0.999)
+
+
+def _text_encoder_mode(job) -> str:
+    """cache: all captions encoded before training; unload: trigger and sample prompts only; keep.
+    AI Toolkit caches when the train section or any dataset says so (BaseSDTrainProcess:
+    is_caching_text_embeddings)."""
+    if job.get("train.cache_text_embeddings") or any(job.get("datasets[*].cache_text_embeddings", None)):
+        return "cache"
+    return "unload" if job.get("train.unload_text_encoder") else "keep"
+
+
+def _latents_cached(job) -> bool:
+    """AI Toolkit keeps the VAE off the device only when every dataset caches its latents."""
+    return all(bool(memory) or bool(disk) for memory, disk in
+               zip(job.get("datasets[*].cache_latents"), job.get("datasets[*].cache_latents_to_disk")))
+
+
+def _shapes(job, video: bool) -> list[list[int]]:
+    """Every [resolution, frames] the datasets train on; frames are 1 for image families."""
+    shapes = set()
+    for resolutions, frames in zip(job.get("datasets[*].resolution"), job.get("datasets[*].num_frames")):
+        for resolution in resolutions if isinstance(resolutions, list) else [resolutions]:
+            shapes.add((int(resolution), int(frames) if video else 1))
+    return [list(shape) for shape in sorted(shapes)]
+
+
+def _trained_denoisers(job, family) -> list[str]:
+    """Denoisers with a LoRA: Wan 2.2's high-noise (transformer) and low-noise (transformer_2) experts."""
+    if len(family.denoisers) == 1:
+        return list(family.denoisers)
+    wanted = {"transformer": job.get("model.model_kwargs.train_high_noise"),
+              "transformer_2": job.get("model.model_kwargs.train_low_noise")}
+    trained = [name for name in family.denoisers if wanted.get(name, True) is not False]
+    if not trained:
+        raise UserError(f"{job.source}: config.process[0].model.model_kwargs: train_high_noise and "
+                        "train_low_noise are both false; nothing would be trained")
+    return trained
+
+
+def _sample_settings(job, video: bool) -> dict[str, Any]:
+    enabled = not job.get("train.disable_sampling")
+    width, height = _preview_size(job)
+    return {"first": enabled and not job.get("train.skip_first_sample"), "last": enabled,
+            "width": width, "height": height,
+            "frames": int(job.get("sample.num_frames")) if video else 1,
+            "steps": min(SAMPLE_STEPS, int(job.get("sample.sample_steps"))),
+            "guidance_scale": float(job.get("sample.guidance_scale"))}
+
+
+def _preview_size(job) -> tuple[int, int]:
+    """The largest preview (by pixels): sample.width x height, each of sample.samples' own
+    width/height, and a prompt's `--w`/`--h` flags (AI Toolkit's SampleConfig and
+    GenerateImageConfig read them per prompt, commit 27a03a91)."""
+    default = (int(job.get("sample.width")), int(job.get("sample.height")))
+    sizes = [default]
+    for item in (job.get("sample.samples", None) or []) + (job.get("sample.prompts", None) or []):
+        if isinstance(item, dict):
+            sizes.append((int(item.get("width", default[0])), int(item.get("height", default[1]))))
+            item = item.get("prompt", "")
+        if isinstance(item, str):
+            found = {flag: int(value) for flag, value in re.findall(r"--([wh])\s+(\d+)", item)}
+            sizes.append((found.get("w", default[0]), found.get("h", default[1])))
+    return max(sizes, key=lambda size: (size[0] * size[1], size))
