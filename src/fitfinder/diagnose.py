@@ -46,6 +46,10 @@ class Row:
     video_cause: str | None = None
 
 
+# The guides' orders. The search's rollback (search.planner.ROLLBACK) walks a load OOM the other
+# way (low_vram and the text encoder before quantize), on purpose: it proves each move with a probe,
+# so it can try the moves that cost only speed first; a diagnosis names one change made blind, and
+# quantizing is the one most sure to fit.
 ROWS: dict[str, Row] = {row.key: row for row in (
     Row("load", "before step 1, while loading the model",
         "the model does not fit with its current memory savings",
@@ -123,15 +127,13 @@ class Settings:
 
 def settings_of_job(job, source: str = "job") -> Settings:
     """Every setting the rollback looks at, with AI Toolkit's defaults for what the file leaves out."""
-    buckets = sorted({int(r) for value in job.get("datasets[*].resolution") for r in _as_list(value)})
-    quantize = bool(job.get("model.quantize"))
     return Settings(
         source, batch=int(job.get("train.batch_size")), accumulation=job.accumulation,
-        checkpointing=bool(job.get("train.gradient_checkpointing")), buckets=buckets,
+        checkpointing=bool(job.get("train.gradient_checkpointing")), buckets=job.buckets,
         frames=max((int(f) for f in job.get("datasets[*].num_frames")), default=1),
-        quantize=quantize, quantize_text=bool(job.get("model.quantize_te", quantize)),
+        quantize=job.quantize, quantize_text=job.quantize_te,
         low_vram=bool(job.get("model.low_vram")),
-        cache_text=bool(job.get("train.cache_text_embeddings")) or bool(job.get("train.unload_text_encoder")),
+        cache_text=job.text_encoder_mode != "keep",
         sampling_off=bool(job.get("train.disable_sampling")),
         sample_size=(int(job.get("sample.width")), int(job.get("sample.height"))),
         sample_frames=int(job.get("sample.num_frames")),

@@ -33,9 +33,10 @@ from fitfinder import models, space as spaces
 from fitfinder.errors import RunFailed
 from fitfinder.probe import recipe
 from fitfinder.probe.overhead import GpuOverhead
+from fitfinder.probe.protocol import ProbeRequest, ProbeResult
 from fitfinder.probe.request import request_for as probe_request
 
-def as_estimate(request: dict[str, Any], overhead: GpuOverhead) -> dict[str, Any]:
+def as_estimate(request: ProbeRequest, overhead: GpuOverhead) -> ProbeRequest:
     """A probe request as the estimate runs it: the estimate meter, one primed step, one denoising step."""
     estimate = {key: value for key, value in request.items() if key != "fault"}
     estimate.update(meter="estimate", steps=1, prime_optimizer=True, overhead=overhead.as_dict(),
@@ -43,7 +44,7 @@ def as_estimate(request: dict[str, Any], overhead: GpuOverhead) -> dict[str, Any
     return estimate
 
 
-def request_for(job, overhead: GpuOverhead) -> dict[str, Any]:
+def request_for(job, overhead: GpuOverhead) -> ProbeRequest:
     """The estimate request of a job file: its architecture, never its weights."""
     request = probe_request(job, 1, "estimate", job.settings.vram_bytes, spec=models.architecture_spec(job))
     return as_estimate(request, overhead)
@@ -117,7 +118,7 @@ class InProcess:
             raise ValueError(f"the estimate's timeout must be positive but got {timeout_s}")
         self.timeout_s = timeout_s
 
-    def run(self, request: dict[str, Any], log_path=None) -> dict[str, Any]:
+    def run(self, request: ProbeRequest, log_path=None) -> ProbeResult:
         with _quiet_fds():
             import fitfinder.probe._preload  # noqa: F401 - the libraries, once, before the clock starts
         gc.collect()  # the last estimate's garbage, before probe.run freezes what is alive

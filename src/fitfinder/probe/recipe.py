@@ -44,11 +44,12 @@ import traceback
 from typing import Any
 
 from fitfinder import models, oom, optimizers
+from fitfinder.probe.protocol import ProbeRequest, ProbeResult
 
 
 
 # -- the recipe (child) ------------------------------------------------------------------------
-def run(request: dict[str, Any]) -> dict[str, Any]:
+def run(request: ProbeRequest) -> ProbeResult:
     """Load, encode, sample, train `steps` steps, sample; report the peak of each phase."""
     import gc
 
@@ -59,7 +60,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     # collection (so that one phase's garbage does not count in the next) cost ms, not 0.3 s.
     gc.freeze()
     meter = meters.make(request["meter"], request.get("budget_bytes"), request.get("gpu", 0), request.get("overhead"))
-    result: dict[str, Any] = {"status": "ok", "phase": None, "error": None, "oom_kind": None,
+    result: ProbeResult = {"status": "ok", "phase": None, "error": None, "oom_kind": None,
                               "seconds_per_step": None, "steps_run": 0, "meter": meter.describe()}
     failure = None
     try:
@@ -414,7 +415,7 @@ def _maybe_fault(fault: str | None) -> None:
         os._exit(0)
 
 
-def _result_line(result: dict[str, Any], request: dict[str, Any]) -> bytes:
+def _result_line(result: ProbeResult, request: ProbeRequest) -> bytes:
     """The one JSON result line; with the "garbage" fault, the first half of it, as a probe
     killed while writing would leave it."""
     line = json.dumps(result)

@@ -11,6 +11,7 @@ from typing import Any
 
 from fitfinder import jobconfig, models
 from fitfinder.errors import UserError
+from fitfinder.probe.protocol import ProbeRequest, SampleSettings
 
 # Denoising steps of a preview in a probe: each step costs the same memory, so two show the
 # peak (and that it holds from one step to the next) at a tenth of the time of 20 or 30.
@@ -18,26 +19,24 @@ SAMPLE_STEPS = 2
 
 
 def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int = 0,
-                spec: dict | None = None) -> dict[str, Any]:
+                spec: dict | None = None, fault: str | None = None) -> ProbeRequest:
     """Everything a probe needs, read from the job file with AI Toolkit's defaults (`spec`: the
-    model, when the caller has it another way, such as an estimate's weightless architecture)."""
+    model, when the caller has it another way, such as an estimate's weightless architecture;
+    `fault`: a test hook's injected failure, see probe.faults). The one place a request is built."""
     spec = spec or models.model_spec(job)
     family = models.FAMILIES[spec["family"]]
-    quantize_te = job.get("model.quantize_te", None)
-    if quantize_te is None:  # AI Toolkit: quantize_te defaults to quantize
-        quantize_te = job.get("model.quantize")
     # The families probed here quantize their T5/UMT5 encoder with model.qtype, not qtype_te (see
     # models.Family.quantized_text_encoders).
-    qtype = str(job.get("model.qtype")).split("|")[0].strip().lower()
+    qtype = job.qtype
     bits = jobconfig.qtype_bits(qtype)[0]
     return {
         "model": spec,
         "dtype": jobconfig.DTYPES[str(job.get("train.dtype")).lower()],
-        "quantize": bits if job.get("model.quantize") else None, "quant_type": qtype,
-        "quantize_te": bits if quantize_te else None, "quant_type_te": qtype,
+        "quantize": bits if job.quantize else None, "quant_type": qtype,
+        "quantize_te": bits if job.quantize_te else None, "quant_type_te": qtype,
         "low_vram": bool(job.get("model.low_vram")),
-        "text_encoder": _text_encoder_mode(job),
-        "cache_latents": _latents_cached(job),
+        "text_encoder": job.text_encoder_mode,
+        "cache_latents": job.latents_cached,
         "shapes": _shapes(job, family.video),
         "batch_size": int(job.get("train.batch_size")),
         "accumulation": job.accumulation,
@@ -58,6 +57,7 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
         "budget_bytes": budget_bytes,
         "gpu": gpu,
         "seed": 0,
+        **({"fault": fault} if fault else {}),
     }
 
 
@@ -69,8 +69,7 @@ def _trained_weights(job) -> dict[str, Any]:
         return {"rank": None, "alpha": None,
                 "only_if_contains": list(job.get("model.only_if_contains", None) or []),
                 "ignore_if_contains": list(job.get("model.ignore_if_contains", None) or [])}
-    return {"rank": int(job.get("network.linear", None) or job.get("network.rank")),
-            "alpha": float(job.get("network.linear_alpha", None) or job.get("network.alpha", 1.0))}
+    return {"rank": job.lora_rank, "alpha": job.lora_alpha}
 
 
 def _ema_decay(job) -> float | None:
@@ -78,21 +77,6 @@ def _ema_decay(job) -> float | None:
     if not job.get("train.ema_config.use_ema"):
         return None
     return float(job.get("train.ema_config.ema_decay", None) or 0.999)
-
-
-def _text_encoder_mode(job) -> str:
-    """cache: all captions encoded before training; unload: trigger and sample prompts only; keep.
-    AI Toolkit caches when the train section or any dataset says so (BaseSDTrainProcess:
-    is_caching_text_embeddings)."""
-    if job.get("train.cache_text_embeddings") or any(job.get("datasets[*].cache_text_embeddings", None)):
-        return "cache"
-    return "unload" if job.get("train.unload_text_encoder") else "keep"
-
-
-def _latents_cached(job) -> bool:
-    """AI Toolkit keeps the VAE off the device only when every dataset caches its latents."""
-    return all(bool(memory) or bool(disk) for memory, disk in
-               zip(job.get("datasets[*].cache_latents"), job.get("datasets[*].cache_latents_to_disk")))
 
 
 def _shapes(job, video: bool) -> list[list[int]]:
@@ -117,7 +101,7 @@ def _trained_denoisers(job, family) -> list[str]:
     return trained
 
 
-def _sample_settings(job, video: bool) -> dict[str, Any]:
+def _sample_settings(job, video: bool) -> SampleSettings:
     enabled = not job.get("train.disable_sampling")
     width, height = _preview_size(job)
     return {"first": enabled and not job.get("train.skip_first_sample"), "last": enabled,

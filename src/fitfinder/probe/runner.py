@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fitfinder.probe.protocol import RESULT_STATUSES
+from fitfinder.probe.protocol import RESULT_STATUSES, ProbeRequest, ProbeResult, Status
 from fitfinder.probe.recipe import child_main
 
 
@@ -28,7 +28,7 @@ class ProbeRunner:
         self.context = multiprocessing.get_context("forkserver")
         self.context.set_forkserver_preload(["fitfinder.probe._preload"])
 
-    def run(self, request: dict[str, Any], log_path: str | Path | None = None) -> dict[str, Any]:
+    def run(self, request: ProbeRequest, log_path: str | Path | None = None) -> ProbeResult:
         self._wait_for_the_server()
         reader, writer = self.context.Pipe(duplex=False)
         started = time.perf_counter()
@@ -83,7 +83,7 @@ def _children_import_this_fitfinder() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in paths if p != package_root])
 
 
-def _parse(line: bytes | None, process, timeout_s: float, log_path) -> dict[str, Any]:
+def _parse(line: bytes | None, process, timeout_s: float, log_path) -> ProbeResult:
     """The child's result, or a result that says why there is none."""
     if line == b"timeout":
         return _no_result("timeout", f"probe passed its {timeout_s:g} s timeout and was killed", log_path)
@@ -116,7 +116,7 @@ def _well_formed(result: Any) -> bool:
             and (result["status"] != "ok" or result.get("peak_bytes") is not None))
 
 
-def _no_result(status: str, reason: str, log_path) -> dict[str, Any]:
+def _no_result(status: Status, reason: str, log_path) -> ProbeResult:
     tail = _log_tail(log_path)
     return {"status": status, "phase": None, "error": reason + (f"; last output: {tail}" if tail else ""),
             "oom_kind": None, "peak_bytes": None, "phases": {}, "phase_stats": {},

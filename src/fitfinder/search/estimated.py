@@ -13,6 +13,7 @@ from fitfinder import probe
 from fitfinder.probe import overhead as overheads
 from fitfinder.probe.estimate import Estimate, Estimator, as_estimate
 from fitfinder.probe.overhead import GpuOverhead
+from fitfinder.probe.protocol import ProbeRequest, ProbeResult, Purpose
 from fitfinder.search import planner
 from fitfinder.units import format_bytes
 
@@ -45,7 +46,7 @@ class Prescreen:
         self.runner, self.budget_bytes, self.meter = runner, budget_bytes, meter
         self.overhead, self.factor = overhead, factor
 
-    def outcome(self, request: dict[str, Any], purpose: str = "") -> dict[str, Any] | None:
+    def outcome(self, request: ProbeRequest, purpose: Purpose = "") -> ProbeResult | None:
         if not self.budget_bytes or purpose == "confirm":
             return None
         result = self.runner.run(as_estimate(request, self.overhead))

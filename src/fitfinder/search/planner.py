@@ -37,13 +37,19 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from fitfinder.probe.protocol import Phase, ProbeResult, Purpose, Status, Verdict
 from fitfinder.space import PHASES, Point, Space
 
-FIT, NOFIT = "fit", "nofit"
+FIT: Verdict = "fit"
+NOFIT: Verdict = "nofit"
 EXCLUDED = "excluded"  # its last ATTEMPTS probes crashed, hung or gave garbage
 ATTEMPTS = 2  # a probe that failed without running out of memory is tried once more
 CONFIRM_FACTOR = 3  # a confirmation probe runs this many times the probe steps
 # The seeds' rollback moves: the knobs to lighten when a probe runs out of memory in a phase.
+# diagnose.ROWS orders a load OOM the other way (quantize before low_vram), on purpose: diagnose
+# names one change for a user to make blind, and quantizing is the one most sure to fit; the
+# search proves each move with a probe, so it takes the moves that cost only speed first and
+# gives up base precision only when they were not enough.
 ROLLBACK = {
     "load": (("low_vram", "text_encoder"), ("quantize",)),
     "text_encoder": (("text_encoder", "low_vram"), ("quantize",)),
@@ -60,14 +66,14 @@ class Result:
 
     trial: int
     point: Point
-    status: str  # ok | oom | error | timeout
+    status: Status
     peak_bytes: int | None = None
     seconds_per_sample: float | None = None
-    phase: str | None = None  # the phase that ran out of memory
+    phase: Phase | None = None  # the phase that ran out of memory
     error: str | None = None
     phases: dict[str, int] = field(default_factory=dict)  # phase -> peak bytes
     confirm: bool = False
-    verdict: str | None = None  # FIT, NOFIT, or None (an error says nothing about memory)
+    verdict: Verdict | None = None  # FIT, NOFIT, or None (an error says nothing about memory)
     failed_phases: tuple = ()  # phases over the limit; () with NOFIT means "unknown: all"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -77,7 +83,7 @@ class Step:
     """The plan's answer: a point to probe (or None: done) and what it decided without probing."""
 
     point: Point | None
-    purpose: str = ""  # base | rollback | quality | speed | confirm
+    purpose: Purpose = ""  # base | rollback | quality | speed | confirm
     steps_factor: int = 1
     decided: list[tuple[Point, Result]] = field(default_factory=list)
 
@@ -542,17 +548,19 @@ def drive(space: Space, known: Knowledge, probe_step, probes_run: int, max_probe
 
 
 # -- a probe's result as the planner reads it -------------------------------------------------
-def result_from_probe(trial: int, step: Step, outcome: dict[str, Any]) -> Result:
+def result_from_probe(trial: int, step: Step, probe_result: ProbeResult) -> Result:
     """A probe's result line as the search's Result."""
-    per_step = outcome.get("seconds_per_step")
+    per_step = probe_result.get("seconds_per_step")
     batch = step.point.get("batch") or 1
-    return Result(trial=trial, point=step.point, status=outcome["status"], peak_bytes=outcome.get("peak_bytes"),
+    return Result(trial=trial, point=step.point, status=probe_result["status"],
+                  peak_bytes=probe_result.get("peak_bytes"),
                   seconds_per_sample=round(per_step / batch, 6) if per_step else None,
-                  phase=outcome.get("phase"), error=outcome.get("error"),
-                  phases=dict(outcome.get("phases") or {}), confirm=step.purpose == "confirm",
+                  phase=probe_result.get("phase"), error=probe_result.get("error"),
+                  phases=dict(probe_result.get("phases") or {}), confirm=step.purpose == "confirm",
                   extra={"seconds_per_step": per_step, "purpose": step.purpose,
-                         "wall_seconds": outcome.get("wall_seconds"), "estimated": bool(outcome.get("estimated")),
-                         "budget_bytes": outcome.get("budget_bytes")})
+                         "wall_seconds": probe_result.get("wall_seconds"),
+                         "estimated": bool(probe_result.get("estimated")),
+                         "budget_bytes": probe_result.get("budget_bytes")})
 
 
 # -- explanation -----------------------------------------------------------------------------
