@@ -4,6 +4,7 @@
   `Knowledge`): no I/O, a function of what is known
 - study.py: the Optuna study (trials, claims shared by workers, heartbeats, resume)
 - worker.py: one worker's loop (read, plan around the pending points, claim, probe, record)
+- sampler.py: `FitSampler`, the plan as the study's Optuna sampler (imports optuna: not re-exported here)
 - loop.py: `run` (open the study, let the workers probe) and `summarize` (what a study says)
 - estimated.py: the planner on estimates (`fitfinder estimate --search`, the pre-screen, the guide)
 - tiers.py: the planner on estimates for each card size (`fitfinder tiers`)
@@ -15,7 +16,8 @@ from fitfinder.search.planner import (ATTEMPTS, CONFIRM_FACTOR, EXCLUDED, FIT, N
                                       Result, Step, best, drive, explain, next_step, plan, plan_around,
                                       plan_guided, result_from_probe)
 from fitfinder.search.loop import SearchOptions, SearchSummary, run, summarize  # loop imports the planner
+from fitfinder.search.worker import probe_objective
 
 __all__ = ["ATTEMPTS", "CONFIRM_FACTOR", "EXCLUDED", "FIT", "NOFIT", "ROLLBACK", "Guide", "Knowledge", "Result",
            "SearchOptions", "SearchSummary", "Step", "best", "drive", "explain", "next_step", "plan", "plan_around",
-           "plan_guided", "result_from_probe", "run", "summarize"]
+           "plan_guided", "probe_objective", "result_from_probe", "run", "summarize"]

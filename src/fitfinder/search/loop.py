@@ -12,7 +12,7 @@ from typing import Any
 
 from fitfinder.errors import UserError
 from fitfinder.search import estimated, study as studies, worker as workers
-from fitfinder.search.planner import ATTEMPTS, Knowledge, Result, best, explain, next_step, plan
+from fitfinder.search.planner import ATTEMPTS, Knowledge, Result, best, explain, plan
 from fitfinder.space import Point, Space
 from fitfinder.units import format_bytes
 
@@ -109,6 +109,7 @@ def run(job, options: SearchOptions, out) -> SearchSummary | None:
     CPU) and waits; a worker probes and returns None.
     """
     from fitfinder import space as spaces
+    from fitfinder.search.sampler import FitSampler  # optuna: imported once a search runs
 
     settings = job.settings
     space = spaces.build(job)
@@ -118,7 +119,8 @@ def run(job, options: SearchOptions, out) -> SearchSummary | None:
     url = studies.storage_url(options.study_name, Path(options.studies_dir), options.storage)
     study = studies.open_study(url, options.study_name, space,
                                {"budget_bytes": budget, "margin": settings.margin, "meter": options.meter,
-                                "job_file": str(job.source), "budget_is_card": options.budget_is_card})
+                                "job_file": str(job.source), "budget_is_card": options.budget_is_card},
+                               FitSampler(space, limit))
     if options.worker:
         with studies.writable(options.study_name, url):
             workers.work(job, space, study, options, limit, out)
@@ -135,8 +137,8 @@ def run(job, options: SearchOptions, out) -> SearchSummary | None:
             workers.work(job, space, study, options, limit, out)
         studies.fail_stale(study)  # a worker killed after the others finished: its trial says why
     known, pending = studies.read(study, space, limit)
-    guide = estimated.guide_for(options.guided, job, options.meter, options.gpu)
-    proven = next_step(space, known, pending, guide).point is None and not pending
+    sampler = FitSampler(space, limit, estimated.guide_for(options.guided, job, options.meter, options.gpu))
+    proven = sampler.next_step(known, pending).point is None and not pending
     best_file = Path(options.results_dir) / options.study_name / "best.yaml"
     return summarize(study, space, known, url, best_file, proven, settings.trials, settings.margin, options.meter)
 
