@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from fitfinder import oom
+from fitfinder import jobconfig, oom
 from fitfinder.errors import UserError
+from fitfinder.jobconfig import JobFile
 from fitfinder.units import format_bytes
 
 # What the guides call a conservative configuration (their "Fix C": keep 512/768 while checking).
@@ -202,8 +203,6 @@ def aitk_config_of_log(text: str):
     """AI Toolkit's process config, echoed as JSON after "Running 1 job", as a job file (read with
     AI Toolkit's defaults, like any job file), or None."""
     import json
-
-    from fitfinder.jobconfig import JobFile
 
     lines = text.splitlines()
     start = next((i for i, line in enumerate(lines) if re.match(r"Running \d+ jobs?\s*$", line.strip())), None)
@@ -579,8 +578,6 @@ def _fragmented(verdict: oom.Verdict) -> bool:
 # -- the command ---------------------------------------------------------------------------------------
 def run(log_path: Path, job_path: Path | None = None, output: Path | None = None) -> Diagnosis:
     """`fitfinder diagnose`: check the paths, read, diagnose, and write the fixed job file to `output`."""
-    from fitfinder import jobconfig
-
     _check_paths(log_path, job_path, output)
     job = jobconfig.load(job_path) if job_path is not None else None
     diagnosis = diagnose(read_log(log_path), job, str(log_path))

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fitfinder import models, space as spaces
 from fitfinder.errors import UserError
+from fitfinder.probe import faults
 from fitfinder.search import estimated, study as studies, worker as workers
 from fitfinder.search.planner import ATTEMPTS, Knowledge, Result, best, explain, plan
 from fitfinder.space import Point, Space
@@ -108,7 +110,6 @@ def run(job, options: SearchOptions, out) -> SearchSummary | None:
     With several workers this process only launches them (one per GPU, or --workers on the
     CPU) and waits; a worker probes and returns None.
     """
-    from fitfinder import space as spaces
     from fitfinder.search.sampler import FitSampler  # optuna: imported once a search runs
 
     settings = job.settings
@@ -146,9 +147,6 @@ def run(job, options: SearchOptions, out) -> SearchSummary | None:
 def _refuse_before_writing(job, options: SearchOptions) -> None:
     """Bad input found before studies/ and results/ are written: the test hooks' variables, a
     name too long for a file, the search's own output as its input, model weights not there."""
-    from fitfinder import models
-    from fitfinder.probe import faults
-
     faults.probe_faults()
     faults.kill_point()
     studies.heartbeat()
