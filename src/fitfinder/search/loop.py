@@ -82,17 +82,17 @@ class SearchSummary:
 
 def summarize(study, space: Space, known: Knowledge, url: str, best_file: Path | None,
               proven: bool | None = None, trial_cap: int | None = None, margin: float | None = None,
-              meter: str | None = None) -> SearchSummary:
+              meter: str | None = None, probes_run: int | None = None) -> SearchSummary:
     """What a study says: the winner, why, and what was left out. The one builder of the summary,
     for the search's end and for `fitfinder report` (`proven`: None asks the plan; `best_file`:
     where the winner is or will be written, if it is; `margin`, `meter`: this search's, else the
-    study's)."""
+    study's; `probes_run`: what the search counted against its cap, else the results read)."""
     attrs = study.user_attrs
     winner = best(space, known)
     lightest = min((r for r in known.results if r.peak_bytes),
                    key=lambda r: (sum(k.level(r.point[k.name]) for k in space.knobs), r.peak_bytes), default=None)
     return SearchSummary(status="fit" if winner else "none", study=study.study_name, storage=url,
-                         trials=len(study.trials), probes_run=studies.probes_in(study),
+                         trials=len(study.trials), probes_run=len(known.results) if probes_run is None else probes_run,
                          proven=plan(space, known).point is None if proven is None else proven,
                          best=winner, best_point=winner.point if winner else None,
                          best_file=str(best_file) if winner and best_file is not None else None,
@@ -141,7 +141,8 @@ def run(job, options: SearchOptions, out) -> SearchSummary | None:
     sampler = FitSampler(space, limit, estimated.guide_for(options.guided, job, options.meter, options.gpu))
     proven = sampler.next_step(known, pending).point is None and not pending
     best_file = Path(options.results_dir) / options.study_name / "best.yaml"
-    return summarize(study, space, known, url, best_file, proven, settings.trials, settings.margin, options.meter)
+    return summarize(study, space, known, url, best_file, proven, settings.trials, settings.margin, options.meter,
+                     studies.probes_in(study))
 
 
 def _refuse_before_writing(job, options: SearchOptions) -> None:
