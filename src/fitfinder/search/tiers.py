@@ -2,7 +2,7 @@
 
 What OneTrainer and kohya ship as static preset tables for a few cards, computed for the
 user's own job: for each card size (GiB of memory as sold: a "24 GB" card has 24 GiB) the
-search's planner runs on estimates (estimate.search), as `fitfinder estimate --search` does
+search's planner runs on estimates (search.estimated.search), as `fitfinder estimate --search` does
 for one budget. One estimate.Estimator serves every card: an estimate does not depend on the
 budget, and each phase is estimated once for the knobs it depends on, so the larger cards'
 searches mostly recall what the smaller ones' estimated.
