@@ -43,7 +43,7 @@ import time
 import traceback
 from typing import Any
 
-from fitfinder import models, oom, optimizers
+from fitfinder import models, oom
 from fitfinder.probe.protocol import ProbeRequest, ProbeResult
 
 
@@ -386,6 +386,8 @@ def _training_latents(pipe, request: dict, side: int, frames: int, heaviest: boo
 
 def _optimizer(request: dict, pipe, trained: list[str]):
     """The job's optimizer as AI Toolkit builds it (see optimizers.py), over the trained parameters."""
+    from fitfinder import optimizers  # torch: only in the child, never where a request is built
+
     zero_at_start = [param for name in trained for param_name, param in pipe.parts[name].named_parameters()
                      if param.requires_grad and ".lora_B." in param_name]  # peft's B starts at zero
     return optimizers.build(request["optimizer"], pipe.trainable_parameters(trained), request["lr"],
@@ -396,6 +398,8 @@ def _ema(pipe, request: dict):
     """train.ema_config.use_ema: a shadow of every trained parameter (see optimizers.Ema), or None."""
     if request.get("ema_decay") is None:
         return None
+    from fitfinder import optimizers  # torch: only in the child
+
     return optimizers.Ema(pipe.trainable_parameters(request["trained"]), request["ema_decay"])
 
 
