@@ -30,8 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
-from fitfinder import estimate, jobconfig, probe  # noqa: E402
-from fitfinder.overhead import GpuOverhead  # noqa: E402
+from fitfinder import jobconfig, probe  # noqa: E402
+from fitfinder.probe import estimate  # noqa: E402
+from fitfinder.probe.overhead import GpuOverhead  # noqa: E402
 from fitfinder.units import format_bytes  # noqa: E402
 
 # Eight training steps: with the heaviest shape at the first, middle and last step, the last one

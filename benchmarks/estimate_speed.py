@@ -37,8 +37,9 @@ JOB = ROOT / "examples" / "aitk" / "train_lora_flux_24gb.yaml"
 BEFORE = """
 import sys
 from pathlib import Path
-from fitfinder import estimate, jobconfig, probe
-from fitfinder.overhead import GpuOverhead
+from fitfinder import jobconfig, probe
+from fitfinder.probe import estimate
+from fitfinder.probe.overhead import GpuOverhead
 job = jobconfig.load(Path(sys.argv[1]))
 job.settings.vram_bytes = 24 * 2**30
 estimate.run(job, probe.ProbeRunner(600), GpuOverhead())

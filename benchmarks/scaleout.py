@@ -62,7 +62,8 @@ def _hammer(url: str, count: int, queue) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    from fitfinder import jobconfig, search, space as spaces, study as studies
+    from fitfinder import jobconfig, search, space as spaces
+    from fitfinder.search import study as studies
 
     job = jobconfig.load(ROOT / "configs" / "demo.yaml")
     space = spaces.build(job)

@@ -117,7 +117,7 @@ def code_version() -> str:
     """Grids are remeasured when the probe's code changes."""
     digest = hashlib.sha256()
     package = ROOT / "src" / "fitfinder"
-    for path in [package / "probe.py", package / "meter.py", *sorted((package / "models").glob("*.py")),
+    for path in [*sorted((package / "probe").glob("*.py")), *sorted((package / "models").glob("*.py")),
                  *sorted((package / "archs").glob("*.json"))]:
         digest.update(path.read_bytes())
     return digest.hexdigest()[:12]

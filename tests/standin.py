@@ -104,7 +104,7 @@ def run_plan(space: spaces.Space, budget: int, margin: float = 0.05, max_probes:
 def true_optimum(space: spaces.Space, budget: int, margin: float = 0.05):
     """Brute force: the best quality that fits, then the fewest seconds per sample; speeds within
     the search's noise floor of the fastest are a tie, won by the lowest peak."""
-    from fitfinder.search import SPEED_NOISE_FLOOR
+    from fitfinder.search.planner import SPEED_NOISE_FLOOR
 
     limit = int(budget * (1 - margin))
     feasible = [p for p in space.points() if outcome(p, budget)["status"] == "ok"

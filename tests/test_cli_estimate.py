@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from fitfinder import jobconfig, overhead, probe
+from fitfinder import jobconfig, probe
+from fitfinder.probe import overhead
 from tests.conftest import DEMO, assert_one_clean_line, run_cli
 
 MiB = 2**20

@@ -132,7 +132,7 @@ def served(tmp_path):
 
     import optuna
 
-    from fitfinder import dashboard
+    from fitfinder.results import dashboard
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     url = f"sqlite:///{tmp_path / 'mine.db'}"
@@ -190,7 +190,7 @@ def test_dashboard_refuses_a_foreign_host_and_a_foreign_origin(served):
 
 
 def test_dashboard_host_rules():
-    from fitfinder.dashboard import LocalGuard
+    from fitfinder.results.dashboard import LocalGuard
 
     loopback, wildcard, v6 = LocalGuard(None, "127.0.0.1", 8080), LocalGuard(None, "0.0.0.0", 80), \
         LocalGuard(None, "::1", 8080)
@@ -204,7 +204,7 @@ def test_dashboard_host_rules():
 
 
 def test_dashboard_never_adds_tables_to_a_database_that_is_not_a_study(tmp_path):
-    from fitfinder import dashboard
+    from fitfinder.results import dashboard
     from fitfinder.errors import UserError
 
     theirs = tmp_path / "someone_elses.db"

@@ -5,8 +5,9 @@ import math
 
 import pytest
 
-from fitfinder import estimate, jobconfig, meter, probe
-from fitfinder.overhead import GpuOverhead
+from fitfinder import jobconfig, probe
+from fitfinder.probe import estimate, meter
+from fitfinder.probe.overhead import GpuOverhead
 from tests.conftest import DEMO, EXAMPLES, ROOT
 
 MiB, GiB = 2**20, 2**30

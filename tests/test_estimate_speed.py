@@ -3,8 +3,9 @@ process, a timeout that ends it, and nothing printed by the libraries on stdout.
 
 import pytest
 
-from fitfinder import estimate, jobconfig, probe
-from fitfinder.overhead import GpuOverhead
+from fitfinder import jobconfig, probe
+from fitfinder.probe import estimate
+from fitfinder.probe.overhead import GpuOverhead
 from tests.conftest import DEMO
 
 

@@ -11,7 +11,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from fitfinder import jobconfig, kohya, space as spaces
+from fitfinder import jobconfig, space as spaces
+from fitfinder.results import kohya
 from fitfinder.errors import UserError
 from tests.conftest import run_cli
 

@@ -140,8 +140,9 @@ def _save_pipeline(arch: dict, family: str, folder):
 # -- the estimate: the same recipe on fake tensors, equal to the sim meter to the byte ---------------
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_the_estimate_equals_the_sim_meter_to_the_byte_in_every_phase(family):
-    from fitfinder import estimate, probe
-    from fitfinder.overhead import GpuOverhead
+    from fitfinder import probe
+    from fitfinder.probe import estimate
+    from fitfinder.probe.overhead import GpuOverhead
     from tests.conftest import tiny_job
 
     runner = probe.ProbeRunner(timeout_s=300)

@@ -5,6 +5,7 @@ import os
 import pytest
 
 from fitfinder import models, probe
+from fitfinder.probe.request import _preview_size
 from tests.conftest import tiny_job
 
 MiB = 2**20
@@ -18,7 +19,7 @@ def _checkpointed_blocks(qtype: str | None, blocks: int = 8, width: int = 256):
     from peft import LoraConfig, inject_adapter_in_model
     from torch.utils.checkpoint import checkpoint
 
-    from fitfinder.meter import StorageTracker, inner_tensors, tensors_of
+    from fitfinder.probe.meter import StorageTracker, inner_tensors, tensors_of
     from fitfinder.models._weights import quantize
 
     class Mlp(torch.nn.Module):
@@ -64,7 +65,7 @@ def test_checkpointed_8_bit_blocks_keep_no_more_than_plain_ones(qtype):
 def test_quanto_weights_count_their_inner_tensors():
     import torch
 
-    from fitfinder.meter import StorageTracker, tensors_of
+    from fitfinder.probe.meter import StorageTracker, tensors_of
     from fitfinder.models._weights import quantize
 
     layer = torch.nn.Sequential(torch.nn.Linear(512, 256, bias=False, dtype=torch.bfloat16))
@@ -84,7 +85,7 @@ def test_grouped_formats_hold_the_bytes_ai_toolkit_holds(qtype, packed):
     uint4 is 0.5 + 3/64 = 0.547 bytes per weight."""
     import torch
 
-    from fitfinder.meter import tensors_of
+    from fitfinder.probe.meter import tensors_of
     from fitfinder.models._weights import GroupedLinear, quantize
 
     torch.manual_seed(0)
@@ -125,7 +126,7 @@ def test_the_lora_trains_in_fp32_whatever_the_training_dtype(run_tiny):
     """A bf16 job: the LoRA's weights (and so its gradients and optimizer state) are fp32."""
     import torch
 
-    from fitfinder import meter as meters
+    from fitfinder.probe import meter as meters
 
     request = probe.request_for(tiny_job("flux", {"train.dtype": "bf16"}), 1, "sim", None)
     pipe = models.load_pipeline(request["model"], request, meters.SimMeter(None))
@@ -184,9 +185,9 @@ def test_the_largest_preview_wins_from_samples_and_prompt_flags():
     job = tiny_job("flux", {"sample.width": 256, "sample.height": 256,
                             "sample.prompts": ["a cat --w 384 --h 320", "a dog"],
                             "sample.samples": [{"prompt": "wide", "width": 512, "height": 192}]})
-    assert probe._preview_size(job) == (384, 320)
+    assert _preview_size(job) == (384, 320)
     job.set("sample.samples", [{"prompt": "big", "width": 512, "height": 512}])
-    assert probe._preview_size(job) == (512, 512)
+    assert _preview_size(job) == (512, 512)
     assert probe.request_for(job, 3, "sim", None)["sample"]["width"] == 512
 
 
@@ -195,7 +196,7 @@ def test_a_preview_in_the_middle_of_an_accumulation_holds_the_gradients(run_tiny
     gradient_accumulation accumulates inside one step, so none is alive between steps."""
     import torch
 
-    from fitfinder import meter as meters
+    from fitfinder.probe import meter as meters
 
     steps = run_tiny("flux", {"train.gradient_accumulation_steps": 2})
     inside = run_tiny("flux", {"train.gradient_accumulation": 2})

@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from fitfinder import estimate, jobconfig, probe, space as spaces
-from fitfinder.overhead import GpuOverhead
+from fitfinder import jobconfig, probe, space as spaces
+from fitfinder.probe import estimate
+from fitfinder.probe.overhead import GpuOverhead
 from tests.conftest import DEMO, run_cli, tiny_job
 
 

@@ -25,7 +25,7 @@ def _cuda(job, budget=None, steps=3):
 def test_cuda_meter_measures_each_phase_with_the_memory_outside_pytorch():
     import torch
 
-    from fitfinder.meter import CudaMeter
+    from fitfinder.probe.meter import CudaMeter
 
     meter = CudaMeter(None, 0)
     with meter:

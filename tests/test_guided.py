@@ -7,6 +7,7 @@ import random
 import pytest
 
 from fitfinder import search
+from fitfinder.search import planner
 from tests.standin import MiB, make_space, outcome, phase_peaks, true_optimum
 
 
@@ -37,7 +38,7 @@ def _proven_by_probes(space, known, winner):
     for row in search.explain(space, known, winner.point):
         knob = space.by_name[row["knob"]]
         if knob.role == "quality" and row["verdict"] == "given up":
-            assert known.state(search._next_up(space, winner.point, knob)) == search.NOFIT, row
+            assert known.state(planner._next_up(space, winner.point, knob)) == search.NOFIT, row
 
 
 @pytest.mark.parametrize("budget_mib", list(range(11, 101, 6)))

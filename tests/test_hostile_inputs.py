@@ -444,7 +444,8 @@ def test_hostile_input_as_a_process(name, tmp_path):
 # -- result files: the umask's mode, and a full disk in one line ----------------------------------
 def test_result_files_take_the_mode_the_umask_gives(tmp_path):
     """mkstemp makes 0600 files; written through it, results were unreadable by the group under umask 022."""
-    from fitfinder import jobconfig, report, space
+    from fitfinder import jobconfig, space
+    from fitfinder.results import report
 
     job = jobconfig.load(DEMO)
     old = os.umask(0o022)

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from fitfinder import estimate, jobconfig, optimizers, probe, space as spaces
+from fitfinder import jobconfig, optimizers, probe, space as spaces
+from fitfinder.probe import estimate
 from fitfinder.errors import ConfigError
-from fitfinder.overhead import GpuOverhead
+from fitfinder.probe.overhead import GpuOverhead
 from tests.conftest import tiny_job
 
 OPTIMIZERS = ["adafactor", "lion8bit", "adam8bit", "adamw8bit", "lion", "adam", "adamw", "prodigy"]

@@ -5,7 +5,7 @@ import json
 import re
 
 from fitfinder import jobconfig, space as spaces
-from fitfinder.output import Output
+from fitfinder.results.output import Output
 from fitfinder.search import Knowledge, Result
 from tests.conftest import DEMO
 

@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from fitfinder import overhead
+from fitfinder.probe import overhead
 from fitfinder.errors import RunFailed, UserError
-from fitfinder.overhead import GpuOverhead
+from fitfinder.probe.overhead import GpuOverhead
 
 MiB = 2**20
 

@@ -7,6 +7,7 @@ which points the search asks for, not about measuring memory.
 import pytest
 
 from fitfinder import search
+from fitfinder.search import planner
 from tests.standin import MiB, JOB, make_space, outcome, run_plan, simulate_workers, true_optimum
 
 
@@ -113,7 +114,7 @@ def test_bisection_bounds_lean_on_what_is_known():
     known.add(search.Result(trial=0, point={**light, "rank": 8}, status="ok", peak_bytes=10 * MiB, phases={}))
     known.add(search.Result(trial=1, point={**light, "rank": 32}, status="oom", phase="train", phases={}))
     line = lambda level: {**light, "rank": rank.candidates[level]}  # noqa: E731
-    assert search._bounds(known, line, 3) == (1, 3)  # 8 fits (and 4 with it); 32 does not; 16 unknown
+    assert planner._bounds(known, line, 3) == (1, 3)  # 8 fits (and 4 with it); 32 does not; 16 unknown
 
 
 def test_a_failed_confirmation_confirms_the_next_best_instead():

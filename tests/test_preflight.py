@@ -6,9 +6,9 @@ import types
 
 import pytest
 
-from fitfinder import preflight
+from fitfinder.probe import preflight
 from fitfinder.errors import CardNotClean
-from fitfinder.preflight import AllocationTest, CardReading, GpuProcess
+from fitfinder.probe.preflight import AllocationTest, CardReading, GpuProcess
 
 GiB, MiB = 2**30, 2**20
 OK = AllocationTest(True, 2.5)

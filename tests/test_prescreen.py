@@ -5,8 +5,10 @@ import json
 import optuna
 import pytest
 
-from fitfinder import estimate, jobconfig, probe, space as spaces, study as studies
-from fitfinder.overhead import GpuOverhead
+from fitfinder import jobconfig, probe, space as spaces
+from fitfinder.probe import estimate
+from fitfinder.search import estimated, study as studies
+from fitfinder.probe.overhead import GpuOverhead
 from tests.conftest import DEMO, run_cli
 
 MiB = 2**20
@@ -34,11 +36,11 @@ def demo_estimate():
 
 
 def test_on_by_default_with_the_cuda_meter_only():
-    assert estimate.prescreen_for(None, Replay(), 24 * 2**30, "sim") is None
-    on_card = estimate.prescreen_for(None, Replay(), 24 * 2**30, "cuda")
-    assert on_card.factor == estimate.PRESCREEN_FACTOR == 1.25 and on_card.meter == "cuda"
-    assert estimate.prescreen_for(True, Replay(), 13 * MiB, "sim").overhead == GpuOverhead.none()
-    assert estimate.prescreen_for(False, Replay(), 24 * 2**30, "cuda") is None
+    assert estimated.prescreen_for(None, Replay(), 24 * 2**30, "sim") is None
+    on_card = estimated.prescreen_for(None, Replay(), 24 * 2**30, "cuda")
+    assert on_card.factor == estimated.PRESCREEN_FACTOR == 1.25 and on_card.meter == "cuda"
+    assert estimated.prescreen_for(True, Replay(), 13 * MiB, "sim").overhead == GpuOverhead.none()
+    assert estimated.prescreen_for(False, Replay(), 24 * 2**30, "cuda") is None
 
 
 def test_a_point_well_over_the_budget_is_an_estimated_out_of_memory(demo_estimate):
@@ -46,7 +48,7 @@ def test_a_point_well_over_the_budget_is_an_estimated_out_of_memory(demo_estimat
     peaks = {name: stats["peak_live"] for name, stats in result["phase_stats"].items()}
     budget = int(peaks["train"] / 1.3)  # train is well over; every other phase is far under
     assert max(p for name, p in peaks.items() if name != "train") < budget
-    screen = estimate.Prescreen(Replay(result), budget, "sim", GpuOverhead.none())
+    screen = estimated.Prescreen(Replay(result), budget, "sim", GpuOverhead.none())
     outcome = screen.outcome(request, "base")
     assert (outcome["status"], outcome["phase"], outcome["estimated"]) == ("oom", "train", True)
     assert outcome["phases"] == peaks and outcome["peak_bytes"] == peaks["train"]
@@ -58,17 +60,17 @@ def test_a_point_well_over_the_budget_is_an_estimated_out_of_memory(demo_estimat
 def test_a_point_near_the_budget_is_left_to_a_probe(demo_estimate):
     request, result = demo_estimate
     train = result["phase_stats"]["train"]["peak_live"]
-    screen = estimate.Prescreen(Replay(result), int(train / 1.2), "sim", GpuOverhead.none())
+    screen = estimated.Prescreen(Replay(result), int(train / 1.2), "sim", GpuOverhead.none())
     assert screen.outcome(request, "quality") is None
 
 
 def test_a_confirmation_or_a_failed_estimate_decides_nothing(demo_estimate):
     request, _ = demo_estimate
     never = Replay()
-    assert estimate.Prescreen(never, MiB, "sim", GpuOverhead.none()).outcome(request, "confirm") is None
+    assert estimated.Prescreen(never, MiB, "sim", GpuOverhead.none()).outcome(request, "confirm") is None
     assert never.requests == []  # not even estimated
     failed = Replay({"status": "error", "error": "RuntimeError: boom", "phase_stats": {}})
-    assert estimate.Prescreen(failed, MiB, "sim", GpuOverhead.none()).outcome(request, "base") is None
+    assert estimated.Prescreen(failed, MiB, "sim", GpuOverhead.none()).outcome(request, "base") is None
 
 
 @pytest.mark.slow

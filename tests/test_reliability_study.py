@@ -19,7 +19,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from fitfinder import faults
+from fitfinder.probe import faults
 from tests.conftest import DEMO, assert_one_clean_line, cli_env, run_cli
 
 NAME = "demo_flux_lora"

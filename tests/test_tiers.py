@@ -5,8 +5,11 @@ import json
 
 import pytest
 
-from fitfinder import estimate, jobconfig, report, tiers
-from fitfinder.overhead import GpuOverhead
+from fitfinder import jobconfig
+from fitfinder.probe import estimate
+from fitfinder.results import report
+from fitfinder.search import tiers
+from fitfinder.probe.overhead import GpuOverhead
 from tests.conftest import DEMO, assert_one_clean_line, run_cli
 
 MiB = 2**20

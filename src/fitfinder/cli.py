@@ -85,7 +85,8 @@ def search(
 ) -> None:
     """Search the best configuration that fits; export it as results/NAME/best.yaml."""
     from fitfinder import search as searching
-    from fitfinder.output import Output
+    from fitfinder.results import report as reporting
+    from fitfinder.results.output import Output
     from fitfinder.units import format_bytes
 
     out = Output(json_output, fancy=False if worker else None)
@@ -107,7 +108,7 @@ def search(
                             "workers than cores is slower, not faster (docs/scaleout.md); add --force to insist")
         out.note(f"{workers} workers on {cores} CPU cores: sim probes will share the cores")
     if meter == "cuda" and not worker:  # a dirty card would prune configurations that fit: check first
-        from fitfinder import preflight
+        from fitfinder.probe import preflight
 
         for index in gpus:
             preflight.ensure_clean(index, job.settings.vram_bytes, out, force=force)
@@ -121,6 +122,7 @@ def search(
     summary = searching.run(job, options, out)
     if summary is None:  # a worker: the search that launched it reports
         return
+    reporting.write_results(summary, results_dir / name, job)  # best.yaml, trials.csv, summary.json, report.html
     space_ = summary.space
     out.result(summary.as_json())
     report_file = results_dir / name / "report.html"
@@ -160,7 +162,7 @@ def probe(
     bytes), phase_stats, seconds_per_step, error.
     """
     from fitfinder import probe as probing
-    from fitfinder.output import Output, usage_bar
+    from fitfinder.results.output import Output, usage_bar
     from fitfinder.units import format_bytes
 
     out = Output(json_output)
@@ -209,9 +211,8 @@ def estimate(
     does), 2 for bad input. With --json, stdout is one object: fits, peak_bytes, budget_bytes,
     limit_bytes, phases (name -> predicted peak bytes), phase_stats, overhead.
     """
-    from fitfinder import estimate as estimating
-    from fitfinder import overhead
-    from fitfinder.output import Output
+    from fitfinder.probe import estimate as estimating, overhead
+    from fitfinder.results.output import Output
 
     out = Output(json_output)
     job = _load(job_file, vram=vram, margin=margin, trials=trials, timeout=timeout)
@@ -256,8 +257,8 @@ def _print_estimate(out, job, found) -> None:
 
 
 def _estimate_search(job, runner, model, out) -> None:
-    from fitfinder import estimate as estimating
-    from fitfinder.output import usage_bar
+    from fitfinder.search import estimated
+    from fitfinder.results.output import usage_bar
     from fitfinder.units import format_bytes
 
     if job.settings.vram_bytes is None:
@@ -276,7 +277,7 @@ def _estimate_search(job, runner, model, out) -> None:
 
     out.note(f"estimating the search of {job.source}: {model.describe()}; "
              f"budget {format_bytes(job.settings.vram_bytes)}")
-    found = estimating.search(job, runner, model, on_estimate)
+    found = estimated.search(job, runner, model, on_estimate)
     out.result(found.as_json())
     space = found.space
     if found.best is None:
@@ -313,9 +314,9 @@ def tiers(
     json_output: bool = JsonOpt,
 ) -> None:
     """The best configuration predicted to fit each card size, on estimates (no GPU): results/NAME/tiers.json."""
-    from fitfinder import estimate as estimating
-    from fitfinder import overhead, tiers as tiering
-    from fitfinder.output import Output
+    from fitfinder.probe import estimate as estimating, overhead
+    from fitfinder.search import tiers as tiering
+    from fitfinder.results.output import Output
     from fitfinder.units import format_bytes
 
     out = Output(json_output)
@@ -350,8 +351,8 @@ def calibrate(
     json_output: bool = JsonOpt,
 ) -> None:
     """Measure a card's overhead for estimates (CUDA context, cuBLAS workspace, fragmentation) and store it."""
-    from fitfinder import overhead
-    from fitfinder.output import Output
+    from fitfinder.probe import overhead
+    from fitfinder.results.output import Output
     from fitfinder.units import format_bytes
 
     out = Output(json_output)
@@ -378,7 +379,7 @@ def diagnose(
 ) -> None:
     """Say why a run ran out of memory, when, and the first change to make (written to -o with --job)."""
     from fitfinder import diagnose as diagnosing
-    from fitfinder.output import Output
+    from fitfinder.results.output import Output
 
     out = Output(json_output)
     answer = diagnosing.run(log, job_file, output)
@@ -398,21 +399,23 @@ def report(
     json_output: bool = JsonOpt,
 ) -> None:
     """Write results/NAME/report.html (plots, one file), summary.json and trials.csv from the study."""
-    from fitfinder import report as reporting
-    from fitfinder.output import Output
+    from fitfinder import search as searching
+    from fitfinder.results import report as reporting
+    from fitfinder.results.output import Output
 
     out = Output(json_output)
     _check_name(name)
     view = reporting.open_study(name, studies_dir, storage, job)
     out_dir = results_dir / name
     reporting.check_output_dir(out_dir, "--results-dir")
-    trials_csv = reporting.write_trials_csv(view.study, view.space, out_dir / "trials.csv")
-    summary = reporting.summary_of(view, out_dir)
-    paths = reporting.write_report(view.study, view.space, view.known, out_dir, summary)
-    out.result({**summary, "report": str(paths["report"]), "summary": str(paths["summary"]),
-                "trials_csv": str(trials_csv)})
-    out.line(f"wrote {paths['report']}, {paths['summary'].name} and {trials_csv.name} "
-             f"({len(view.known.results)} probes, {'a fit' if summary['best'] else 'nothing fits'})")
+    best_file = out_dir / "best.yaml"
+    summary = searching.summarize(view.study, view.space, view.known, view.url,
+                                  best_file if best_file.exists() else None)
+    paths = reporting.write_results(summary, out_dir)
+    out.result({**summary.as_json(), "report": str(paths["report"]), "summary": str(paths["summary"]),
+                "trials_csv": str(paths["trials"])})
+    out.line(f"wrote {paths['report']}, {paths['summary'].name} and {paths['trials'].name} "
+             f"({len(view.known.results)} probes, {'a fit' if summary.best else 'nothing fits'})")
 
 
 @app.command()
@@ -424,8 +427,9 @@ def export(
     json_output: bool = JsonOpt,
 ) -> None:
     """Write the winner (results/NAME/best.yaml) for another trainer, and say what has no equivalent."""
-    from fitfinder import jobconfig, kohya
-    from fitfinder.output import Output
+    from fitfinder import jobconfig
+    from fitfinder.results import kohya
+    from fitfinder.results.output import Output
 
     out = Output(json_output)
     _check_name(name)
@@ -460,8 +464,8 @@ def dashboard(
                                                         "[refused: it may be someone else's database]."),
 ) -> None:
     """Serve the Optuna dashboard of a study on this machine; Ctrl-C stops it."""
-    from fitfinder import dashboard as dashboards
-    from fitfinder.output import Output
+    from fitfinder.results import dashboard as dashboards
+    from fitfinder.results.output import Output
 
     out = Output()
     if not 0 <= port <= 65535:
@@ -500,8 +504,9 @@ def _load(job_file: Path, vram: Optional[str] = None, names: Optional[dict] = No
 def _check_outputs(job, out_dir: Path, studies_dir: Optional[Path]) -> None:
     """What would fail only after the probes, refused before anything is written: the space and
     an output folder that cannot be written (the model's weights and the job file being the winner
-    it would overwrite: search._refuse_before_writing)."""
-    from fitfinder import report, space
+    it would overwrite: search.loop._refuse_before_writing)."""
+    from fitfinder import space
+    from fitfinder.results import report
 
     space.build(job)  # bad candidates
     report.check_output_dir(out_dir, "--results-dir")
@@ -540,7 +545,7 @@ def _meter(gpu: Optional[str], job, out, need_budget: bool = True) -> tuple[str,
         present = cuda_device_count()
         if all(index < present for index in gpus):
             if job.settings.vram_bytes is None:
-                from fitfinder import preflight
+                from fitfinder.probe import preflight
 
                 job.settings.vram_bytes = preflight.read_card(gpus[0]).total_bytes
             return "cuda", gpus
@@ -567,7 +572,7 @@ def cuda_device_count() -> int:
 
 def _study_name(name: str) -> str:
     """A name safe as a file name: studies/NAME.db, results/NAME/ (its length: study.check_name)."""
-    from fitfinder import study
+    from fitfinder.search import study
 
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") or "study"
     study.check_name(safe)

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from fitfinder import oom
+from fitfinder import jobconfig, oom
 from fitfinder.errors import UserError
+from fitfinder.jobconfig import JobFile
 from fitfinder.units import format_bytes
 
 # What the guides call a conservative configuration (their "Fix C": keep 512/768 while checking).
@@ -46,6 +47,10 @@ class Row:
     video_cause: str | None = None
 
 
+# The guides' orders. The search's rollback (search.planner.ROLLBACK) walks a load OOM the other
+# way (low_vram and the text encoder before quantize), on purpose: it proves each move with a probe,
+# so it can try the moves that cost only speed first; a diagnosis names one change made blind, and
+# quantizing is the one most sure to fit.
 ROWS: dict[str, Row] = {row.key: row for row in (
     Row("load", "before step 1, while loading the model",
         "the model does not fit with its current memory savings",
@@ -123,15 +128,13 @@ class Settings:
 
 def settings_of_job(job, source: str = "job") -> Settings:
     """Every setting the rollback looks at, with AI Toolkit's defaults for what the file leaves out."""
-    buckets = sorted({int(r) for value in job.get("datasets[*].resolution") for r in _as_list(value)})
-    quantize = bool(job.get("model.quantize"))
     return Settings(
         source, batch=int(job.get("train.batch_size")), accumulation=job.accumulation,
-        checkpointing=bool(job.get("train.gradient_checkpointing")), buckets=buckets,
+        checkpointing=bool(job.get("train.gradient_checkpointing")), buckets=job.buckets,
         frames=max((int(f) for f in job.get("datasets[*].num_frames")), default=1),
-        quantize=quantize, quantize_text=bool(job.get("model.quantize_te", quantize)),
+        quantize=job.quantize, quantize_text=job.quantize_te,
         low_vram=bool(job.get("model.low_vram")),
-        cache_text=bool(job.get("train.cache_text_embeddings")) or bool(job.get("train.unload_text_encoder")),
+        cache_text=job.text_encoder_mode != "keep",
         sampling_off=bool(job.get("train.disable_sampling")),
         sample_size=(int(job.get("sample.width")), int(job.get("sample.height"))),
         sample_frames=int(job.get("sample.num_frames")),
@@ -200,8 +203,6 @@ def aitk_config_of_log(text: str):
     """AI Toolkit's process config, echoed as JSON after "Running 1 job", as a job file (read with
     AI Toolkit's defaults, like any job file), or None."""
     import json
-
-    from fitfinder.jobconfig import JobFile
 
     lines = text.splitlines()
     start = next((i for i, line in enumerate(lines) if re.match(r"Running \d+ jobs?\s*$", line.strip())), None)
@@ -577,8 +578,6 @@ def _fragmented(verdict: oom.Verdict) -> bool:
 # -- the command ---------------------------------------------------------------------------------------
 def run(log_path: Path, job_path: Path | None = None, output: Path | None = None) -> Diagnosis:
     """`fitfinder diagnose`: check the paths, read, diagnose, and write the fixed job file to `output`."""
-    from fitfinder import jobconfig
-
     _check_paths(log_path, job_path, output)
     job = jobconfig.load(job_path) if job_path is not None else None
     diagnosis = diagnose(read_log(log_path), job, str(log_path))

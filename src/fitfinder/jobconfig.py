@@ -82,6 +82,10 @@ def optimizer_name(value: Any) -> str | None:
     return name if name in OPTIMIZERS else None
 
 
+def _qtype_name(value: Any) -> str:
+    return str(value).split("|")[0].strip().lower()
+
+
 def is_full_fine_tune(job: "JobFile") -> bool:
     """No `network` section: AI Toolkit trains the denoiser's own weights."""
     return not job.has("network")
@@ -209,6 +213,63 @@ class JobFile:
     def accumulation(self) -> int:
         return max(int(self.get("train.gradient_accumulation")),
                    int(self.get("train.gradient_accumulation_steps")))
+
+    # -- AI Toolkit's rules, read here once (probe, space, kohya and diagnose ask these) ----------
+    @property
+    def quantize(self) -> bool:
+        return bool(self.get("model.quantize"))
+
+    @property
+    def quantize_te(self) -> bool:
+        """AI Toolkit quantizes the text encoders as it does the model unless `quantize_te` says
+        otherwise (ModelConfig: `quantize_te` defaults to `quantize`)."""
+        return bool(self.get("model.quantize_te") if self.has("model.quantize_te") else self.get("model.quantize"))
+
+    @property
+    def qtype(self) -> str:
+        """The base model's qtype name as AI Toolkit reads it (`qfloat8`, `uint4|ostris/...`: the
+        part before `|`, the adapter after it changes no memory)."""
+        return _qtype_name(self.get("model.qtype"))
+
+    @property
+    def qtype_te(self) -> str:
+        return _qtype_name(self.get("model.qtype_te"))
+
+    @property
+    def lora_rank(self) -> int | None:
+        """The LoRA's rank, None for a full fine-tune (no `network`). AI Toolkit's NetworkConfig
+        takes `rank` over `linear` when both are given."""
+        if is_full_fine_tune(self):
+            return None
+        return int(self.get("network.rank", None) or self.get("network.linear"))
+
+    @property
+    def lora_alpha(self) -> float | None:
+        """`linear_alpha`, which defaults to `alpha`, which defaults to 1.0 (NetworkConfig)."""
+        if is_full_fine_tune(self):
+            return None
+        return float(self.get("network.linear_alpha", None) or self.get("network.alpha", None) or 1.0)
+
+    @property
+    def buckets(self) -> list[int]:
+        """Every resolution the datasets train at (`resolution` is one size or a list), sorted."""
+        return sorted({int(r) for value in self.get("datasets[*].resolution")
+                       for r in (value if isinstance(value, list) else [value])})
+
+    @property
+    def text_encoder_mode(self) -> str:
+        """cache: all captions encoded before training; unload: trigger and sample prompts only;
+        keep. AI Toolkit caches when the train section or any dataset says so
+        (BaseSDTrainProcess: is_caching_text_embeddings), which wins over unload_text_encoder."""
+        if self.get("train.cache_text_embeddings") or any(self.get("datasets[*].cache_text_embeddings", None)):
+            return "cache"
+        return "unload" if self.get("train.unload_text_encoder") else "keep"
+
+    @property
+    def latents_cached(self) -> bool:
+        """AI Toolkit keeps the VAE off the device only when every dataset caches its latents."""
+        return all(bool(memory) or bool(disk) for memory, disk in
+                   zip(self.get("datasets[*].cache_latents"), self.get("datasets[*].cache_latents_to_disk")))
 
     # -- writing ---------------------------------------------------------------------------
     def dumps(self, header: list[str] | None = None) -> str:

@@ -31,7 +31,7 @@ from fitfinder.jobconfig import (AITK_DEFAULTS, FRAMES, PIXELS, RANKS, JobFile, 
 
 Point = dict[str, Any]  # knob name -> one of its candidates (a JSON scalar)
 
-# Phases of a probe, in the order they run (see probe.py).
+# Phases of a probe, in the order they run (see probe/recipe.py).
 PHASES = ("load", "text_encoder", "latents", "sample", "train", "last_sample")
 _ALL = frozenset(PHASES)
 _DATA = frozenset({"latents", "train"})
@@ -283,18 +283,10 @@ def _apply_frames(job: JobFile, frames: int, space: Space) -> None:
 MIN_RANK = 4  # below this a LoRA learns little; an override may still ask for less
 
 
-def _rank_of(job: JobFile) -> int:
-    return int(job.get("network.linear", None) or job.get("network.rank"))
-
-
-def _alpha_of(job: JobFile) -> float:
-    return float(job.get("network.linear_alpha", None) or job.get("network.alpha", 1.0))
-
-
 def _rank(job: JobFile, override: list | None, video: bool) -> Knob | None:
     if is_full_fine_tune(job):
         return None  # no LoRA: the whole denoiser trains
-    desired = _rank_of(job)
+    desired = job.lora_rank
     if override is None:
         values = [2**i for i in range(0, 16) if MIN_RANK <= 2**i < desired] + [desired]
     else:
@@ -305,7 +297,7 @@ def _rank(job: JobFile, override: list | None, video: bool) -> Knob | None:
 
 
 def _apply_rank(job: JobFile, rank: int, space: Space) -> None:
-    alpha = rank * _alpha_of(space.job) / _rank_of(space.job)
+    alpha = rank * space.job.lora_alpha / space.job.lora_rank
     job.set("network.linear", rank)
     if job.has("network.rank"):
         job.set("network.rank", rank)
@@ -317,10 +309,9 @@ FOUR_BIT = ("uint4", "qint4", "int4", "nf4", "fp4", "uint3", "uint2")
 
 
 def quantize_level(job: JobFile) -> str:
-    if not job.get("model.quantize"):
+    if not job.quantize:
         return "none"
-    qtype = str(job.get("model.qtype")).split("|")[0].lower()
-    return "4bit" if qtype in FOUR_BIT else "8bit"
+    return "4bit" if job.qtype in FOUR_BIT else "8bit"
 
 
 def _quantize(job: JobFile, override: list | None, video: bool) -> Knob | None:
@@ -454,14 +445,8 @@ def _apply_sample_frames(job: JobFile, frames: int, space: Space) -> None:
 
 
 # -- text encoder: cached embeddings, or kept on the device --------------------------------------
-def text_encoder_mode(job: JobFile) -> str:
-    if job.get("train.unload_text_encoder"):
-        return "unload"
-    return "cache" if job.get("train.cache_text_embeddings") else "keep"
-
-
 def _text_encoder(job: JobFile, override: list | None, video: bool) -> Knob | None:
-    desired = text_encoder_mode(job)
+    desired = job.text_encoder_mode
     if desired != "keep":
         return None  # already off the device during training
     values = ["cache", "keep"] if override is None else _with_desired(

@@ -26,6 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from fitfinder.errors import RunFailed, UserError
+from fitfinder.jobconfig import write_atomic
+from fitfinder.models import cache_dir
+from fitfinder.probe import preflight
+from fitfinder.units import format_bytes
 
 MiB = 2**20
 # CUDA context with lazily loaded modules plus cuBLAS/cuDNN handles after the first matmul and
@@ -73,8 +77,6 @@ class GpuOverhead:
         return cls(**known)
 
     def describe(self) -> str:
-        from fitfinder.units import format_bytes
-
         if self.source == "none":
             return "no GPU overhead: tensor bytes only, as the sim meter counts them"
         return (f"GPU overhead ({self.source}): context {format_bytes(self.context_bytes)}, "
@@ -89,8 +91,6 @@ class GpuOverhead:
 
 # -- calibration: measured on a card, stored by its name -------------------------------------------
 def calibration_dir() -> Path:
-    from fitfinder.models import cache_dir
-
     return cache_dir() / "calibration"
 
 
@@ -118,8 +118,6 @@ def from_measurement(measured: dict[str, Any]) -> GpuOverhead:
 
 def save(model: GpuOverhead, measured: dict[str, Any], folder: Path | None = None) -> Path:
     """Store a calibration under the cache folder, one file per card name."""
-    from fitfinder.jobconfig import write_atomic
-
     folder = folder or calibration_dir()
     path = folder / f"{card_key(measured['gpu_name'])}.json"
     write_atomic(path, json.dumps({"gpu_name": measured["gpu_name"], "overhead": model.as_dict(),
@@ -164,8 +162,6 @@ def for_gpu(index: int, folder: Path | None = None) -> GpuOverhead:
 
 def gpu_name(index: int) -> str | None:
     """The name of CUDA device `index` through NVML (no CUDA context here), or None without one."""
-    from fitfinder import preflight
-
     try:
         return preflight.read_card(index).name
     except Exception:  # noqa: BLE001 - no driver, no card: no name

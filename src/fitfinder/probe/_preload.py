@@ -21,11 +21,11 @@ try:
     import peft  # noqa: F401
     import peft.tuners.lora  # noqa: F401
 
-    import fitfinder.meter  # noqa: F401
     import fitfinder.models  # noqa: F401
     import fitfinder.models._pipeline  # noqa: F401
     import fitfinder.oom  # noqa: F401
-    import fitfinder.probe  # noqa: F401
+    import fitfinder.probe.meter  # noqa: F401
+    import fitfinder.probe.recipe  # noqa: F401
 finally:
     os.dup2(_stderr, 2)
     os.close(_null)

@@ -37,14 +37,19 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from fitfinder.errors import UserError
+from fitfinder.probe.protocol import Phase, ProbeResult, Purpose, Status, Verdict
 from fitfinder.space import PHASES, Point, Space
 
-FIT, NOFIT = "fit", "nofit"
+FIT: Verdict = "fit"
+NOFIT: Verdict = "nofit"
 EXCLUDED = "excluded"  # its last ATTEMPTS probes crashed, hung or gave garbage
 ATTEMPTS = 2  # a probe that failed without running out of memory is tried once more
 CONFIRM_FACTOR = 3  # a confirmation probe runs this many times the probe steps
 # The seeds' rollback moves: the knobs to lighten when a probe runs out of memory in a phase.
+# diagnose.ROWS orders a load OOM the other way (quantize before low_vram), on purpose: diagnose
+# names one change for a user to make blind, and quantizing is the one most sure to fit; the
+# search proves each move with a probe, so it takes the moves that cost only speed first and
+# gives up base precision only when they were not enough.
 ROLLBACK = {
     "load": (("low_vram", "text_encoder"), ("quantize",)),
     "text_encoder": (("text_encoder", "low_vram"), ("quantize",)),
@@ -61,14 +66,14 @@ class Result:
 
     trial: int
     point: Point
-    status: str  # ok | oom | error | timeout
+    status: Status
     peak_bytes: int | None = None
     seconds_per_sample: float | None = None
-    phase: str | None = None  # the phase that ran out of memory
+    phase: Phase | None = None  # the phase that ran out of memory
     error: str | None = None
     phases: dict[str, int] = field(default_factory=dict)  # phase -> peak bytes
     confirm: bool = False
-    verdict: str | None = None  # FIT, NOFIT, or None (an error says nothing about memory)
+    verdict: Verdict | None = None  # FIT, NOFIT, or None (an error says nothing about memory)
     failed_phases: tuple = ()  # phases over the limit; () with NOFIT means "unknown: all"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -78,7 +83,7 @@ class Step:
     """The plan's answer: a point to probe (or None: done) and what it decided without probing."""
 
     point: Point | None
-    purpose: str = ""  # base | rollback | quality | speed | confirm
+    purpose: Purpose = ""  # base | rollback | quality | speed | confirm
     steps_factor: int = 1
     decided: list[tuple[Point, Result]] = field(default_factory=list)
 
@@ -670,62 +675,7 @@ def _next_up(space: Space, winner: Point, knob) -> Point:
     return {**winner, **later, knob.name: knob.candidates[knob.level(winner[knob.name]) + 1]}
 
 
-# -- the loop ----------------------------------------------------------------------------------
-@dataclass
-class SearchOptions:
-    study_name: str
-    meter: str = "sim"  # sim | cuda
-    gpu: int = 0
-    storage: str | None = None
-    studies_dir: Any = "studies"
-    results_dir: Any = "results"
-    workers: int = 1  # worker processes on this machine
-    gpus: tuple[int, ...] = ()  # with the cuda meter: one worker per GPU
-    worker: bool = False  # this process is one of the workers a search launched
-    budget_is_card: bool = False  # no --vram: the budget is the card's memory
-    prescreen: bool | None = None  # estimate first, decide points well over the budget (None: with cuda)
-    guided: bool | None = None  # plan on estimates, probe where they cannot decide (None: with cuda)
-
-
-@dataclass
-class SearchSummary:
-    status: str  # fit | none
-    study: str
-    storage: str
-    trials: int
-    probes_run: int
-    proven: bool
-    best: Result | None
-    best_point: Point | None
-    best_file: str | None
-    budget_bytes: int | None
-    limit_bytes: int | None
-    space: Space | None = None
-    lightest: Result | None = None
-    explanation: list[dict[str, Any]] = field(default_factory=list)
-    excluded: list[Result] = field(default_factory=list)  # points whose probes failed ATTEMPTS times
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "status": self.status, "study": self.study, "storage": self.storage, "trials": self.trials,
-            "probes_run": self.probes_run, "proven": self.proven,
-            "best": self.best_point, "best_file": self.best_file,
-            "peak_bytes": self.best.peak_bytes if self.best else None,
-            "seconds_per_sample": self.best.seconds_per_sample if self.best else None,
-            "budget_bytes": self.budget_bytes, "limit_bytes": self.limit_bytes,
-            "explanation": self.explanation,
-            "excluded": [{"trial": r.trial, "point": r.point, "error": (r.error or "")[:300]} for r in self.excluded],
-        }
-
-    def proven_around(self) -> str:
-        """'' when the proof is whole; else what it could not look at, for the summary line."""
-        if not self.excluded:
-            return ""
-        trials = ", ".join(str(r.trial) for r in self.excluded)
-        return (f"proven only around {len(self.excluded)} point(s) whose probes failed {ATTEMPTS} times "
-                f"without running out of memory (trial {trials})")
-
-
+# -- driving the plan ---------------------------------------------------------------------
 def drive(space: Space, known: Knowledge, probe_step, probes_run: int, max_probes: int,
           on_decided=None, planner=None) -> tuple[bool, int]:
     """Plan, probe, learn until the plan is done or `max_probes` probes exist.
@@ -748,128 +698,21 @@ def drive(space: Space, known: Knowledge, probe_step, probes_run: int, max_probe
         probes_run += 1
 
 
-def run(job, options: SearchOptions, out) -> SearchSummary | None:
-    """Probe planned points until the best is confirmed or the trial cap is reached; export it.
-
-    With several workers this process only launches them (one per GPU, or --workers on the
-    CPU), waits, and exports; a worker probes and returns None.
-    """
-    from pathlib import Path
-
-    from fitfinder import space as spaces, study as studies, worker as workers
-
-    settings = job.settings
-    space = spaces.build(job)
-    _refuse_before_writing(job, options)
-    budget = settings.vram_bytes
-    limit = int(budget * (1 - settings.margin)) if budget else None
-    url = studies.storage_url(options.study_name, Path(options.studies_dir), options.storage)
-    study = studies.open_study(url, options.study_name, space,
-                               {"budget_bytes": budget, "margin": settings.margin, "meter": options.meter,
-                                "job_file": str(job.source), "budget_is_card": options.budget_is_card})
-    if options.worker:
-        with studies.writable(options.study_name, url):
-            workers.work(job, space, study, options, limit, out)
-        return None
-    known = studies.load_knowledge(study, space, limit)
-    out.note(f"study {options.study_name} ({url}): {len(space.knobs)} knobs, {space.size()} points, "
-             f"{len(known.results)} trials already known; budget {_fmt(budget)}, "
-             f"limit {_fmt(limit)} after the {settings.margin:.0%} margin")
-    count = len(options.gpus) or options.workers
-    with studies.writable(options.study_name, url):
-        if count > 1:
-            workers.launch(job, options, url, count, out)
-        else:
-            workers.work(job, space, study, options, limit, out)
-        studies.fail_stale(study)  # a worker killed after the others finished: its trial says why
-    known, pending = studies.read(study, space, limit)
-    from fitfinder import estimate
-
-    guide = estimate.guide_for(options.guided, job, options.meter, options.gpu)
-    proven = next_step(space, known, pending, guide).point is None and not pending
-    return _finish(job, space, study, known, options, settings, url, studies.probes_in(study), proven,
-                   budget, limit, out)
-
-
-def _refuse_before_writing(job, options: SearchOptions) -> None:
-    """Bad input found before studies/ and results/ are written: the test hooks' variables, a
-    name too long for a file, the search's own output as its input, model weights not there."""
-    from pathlib import Path
-
-    from fitfinder import faults, models, study as studies
-
-    faults.probe_faults()
-    faults.kill_point()
-    studies.heartbeat()
-    studies.check_name(options.study_name)
-    best_file = (Path(options.results_dir) / options.study_name / "best.yaml").resolve()
-    if Path(str(job.source)).resolve() == best_file:
-        raise UserError(f"{job.source} is where this search writes its winner; copy it elsewhere "
-                        "(or give --study NEW) to search from it")
-    models.model_spec(job)  # a missing model path says so now, not after the study is made
-
-
-MAX_ERRORS_IN_A_ROW = 5
-
-
-def _stop_if_probes_keep_failing(results: list[Result], log_dir) -> None:
-    """Errors are not OOMs: when every recent probe fails with one, the job itself is broken."""
-    from fitfinder.errors import RunFailed
-
-    recent = results[-MAX_ERRORS_IN_A_ROW:]
-    if len(recent) == MAX_ERRORS_IN_A_ROW and all(r.status in ("error", "timeout") for r in recent):
-        last = recent[-1]
-        raise RunFailed(f"the last {MAX_ERRORS_IN_A_ROW} probes failed with errors, not out of memory: "
-                        f"{(last.error or '').splitlines()[0][:300]}; see {log_dir}/trial-{last.trial:04d}.log")
-
-
-def result_from_probe(trial: int, step: Step, outcome: dict[str, Any]) -> Result:
+# -- a probe's result as the planner reads it -------------------------------------------------
+def result_from_probe(trial: int, step: Step, probe_result: ProbeResult) -> Result:
     """A probe's result line as the search's Result."""
-    per_step = outcome.get("seconds_per_step")
+    per_step = probe_result.get("seconds_per_step")
     batch = step.point.get("batch") or 1
-    return Result(trial=trial, point=step.point, status=outcome["status"], peak_bytes=outcome.get("peak_bytes"),
+    return Result(trial=trial, point=step.point, status=probe_result["status"],
+                  peak_bytes=probe_result.get("peak_bytes"),
                   seconds_per_sample=round(per_step / batch, 6) if per_step else None,
-                  phase=outcome.get("phase"), error=outcome.get("error"),
-                  phases=dict(outcome.get("phases") or {}), confirm=step.purpose == "confirm",
-                  extra={"seconds_per_step": per_step, "timing_noise": outcome.get("timing_noise"),
+                  phase=probe_result.get("phase"), error=probe_result.get("error"),
+                  phases=dict(probe_result.get("phases") or {}), confirm=step.purpose == "confirm",
+                  extra={"seconds_per_step": per_step, "timing_noise": probe_result.get("timing_noise"),
                          "purpose": step.purpose,
-                         "wall_seconds": outcome.get("wall_seconds"), "estimated": bool(outcome.get("estimated")),
-                         "budget_bytes": outcome.get("budget_bytes")})
-
-
-def _finish(job, space, study, known, options, settings, url, probes_run, proven, budget, limit, out) -> SearchSummary:
-    from pathlib import Path
-
-    from fitfinder import report
-
-    winner = best(space, known)
-    results_dir = Path(options.results_dir) / options.study_name
-    report.write_trials_csv(study, space, results_dir / "trials.csv")
-    best_file = None
-    if winner is not None:
-        facts = report.fit_facts(winner, budget, settings.margin, options.meter, options.study_name)
-        if not proven:
-            facts.append(f"The search stopped at its cap of {settings.trials} probes before proving this is the best.")
-        for failed in known.excluded():
-            facts.append(f"Proven only around trial {failed.trial} ({space.describe(failed.point)}): its probe "
-                         f"failed {ATTEMPTS} times without running out of memory, so it was left out.")
-        best_file = str(report.export_best(job, space, winner.point, results_dir, facts))
-    lightest = min((r for r in known.results if r.peak_bytes),
-                   key=lambda r: (sum(k.level(r.point[k.name]) for k in space.knobs), r.peak_bytes), default=None)
-    summary = SearchSummary(status="fit" if winner else "none", study=options.study_name, storage=url,
-                            trials=len(study.trials), probes_run=probes_run, proven=proven, best=winner,
-                            best_point=winner.point if winner else None, best_file=best_file,
-                            budget_bytes=budget, limit_bytes=limit, space=space, lightest=lightest,
-                            explanation=explain(space, known, winner.point) if winner else [],
-                            excluded=known.excluded())
-    report.write_report(study, space, known, results_dir, summary.as_json())  # summary.json, report.html
-    return summary
-
-
-def _fmt(n: int | None) -> str:
-    from fitfinder.units import format_bytes
-
-    return format_bytes(n)
+                         "wall_seconds": probe_result.get("wall_seconds"),
+                         "estimated": bool(probe_result.get("estimated")),
+                         "budget_bytes": probe_result.get("budget_bytes")})
 
 
 # -- explanation -----------------------------------------------------------------------------

@@ -1,19 +1,18 @@
 """The Optuna study that holds a search: one trial per probe, every probe fact as a user attribute.
 
-How results map onto trial states (the sampler and the dashboard both read them):
+How results map onto trial states (the plan, search.sampler.FitSampler, and the dashboard read them):
 
 - fits under the limit            -> COMPLETE, constraint `peak_over_limit` <= 0
 - ran, but inside the margin      -> COMPLETE, constraint `peak_over_limit` > 0 (infeasible)
 - ran out of memory               -> PRUNED. A run that died has no objective values to report;
-  Optuna's TPE ranks pruned trials below every completed one, so the sampler learns to avoid
-  the region, and the dashboard shows them as pruned, the way users read an OOM.
+  the dashboard shows them as pruned, the way users read an OOM.
 - crashed, hung, no result line   -> FAIL, with the reason in `error`.
 - its worker is gone              -> FAIL with `status: abandoned` and the reason in `error`
   (`fail_stale`); its point is planned again.
 - decided without a probe         -> PRUNED with `status: decided` and `decided_by` (the trial
   whose result rules it out): points the plan would have probed, had dominance not settled them.
 - estimated well over the budget  -> PRUNED with `status: oom` and `estimated: true` (the search's
-  pre-screen, estimate.Prescreen): the predicted phase and peaks instead of measured ones. It
+  pre-screen, search.estimated.Prescreen): the predicted phase and peaks instead of measured ones. It
   reads back on resume as the out-of-memory it stands for, so dominance treats it as one.
 
 Each trial's `purpose` says which stage of the plan asked for it: base, rollback, quality,
@@ -55,7 +54,9 @@ from pathlib import Path
 from typing import Any
 
 from fitfinder.errors import UserError
-from fitfinder.search import Knowledge, Result
+from fitfinder.probe import faults
+from fitfinder.probe.protocol import ProbeResult, Purpose
+from fitfinder.search.planner import Knowledge, Result
 from fitfinder.space import Point, Space
 
 METRICS = ("quality", "seconds_per_sample")
@@ -122,8 +123,9 @@ def storage(url: str):
             time.sleep(0.5 * (attempt + 1))
 
 
-def open_study(url: str, name: str, space: Space, setup: dict[str, Any]):
-    """Create the study, or load it to resume; refuses one made for a different space or budget."""
+def open_study(url: str, name: str, space: Space, setup: dict[str, Any], sampler=None):
+    """Create the study, or load it to resume; refuses one made for a different space or budget.
+    `sampler`: the search's FitSampler (search.sampler), the plan as Optuna's sampler."""
     import warnings
 
     import optuna
@@ -138,12 +140,14 @@ def open_study(url: str, name: str, space: Space, setup: dict[str, Any]):
         with _sqlite_lock(url):  # two searches started together in a fresh folder: one creates, one waits
             study = optuna.create_study(
                 storage=storage(url), study_name=name, load_if_exists=True, directions=["maximize", "minimize"],
-                sampler=optuna.samplers.TPESampler(seed=0),
+                sampler=sampler,
             )
             stored = study.user_attrs.get("space")
             if stored is None:
                 study.set_metric_names(list(METRICS))
                 study.set_user_attr("space", signature)
+                if sampler is not None:  # the dashboard shows the study's attributes: which sampler plans it
+                    study.set_user_attr("sampler", getattr(sampler, "NAME", type(sampler).__name__))
                 for key, value in setup.items():
                     study.set_user_attr(key, value)
     except ImportError as exc:  # e.g. postgresql:// without its driver
@@ -482,8 +486,8 @@ def record_decided(study, space: Space, point: Point, decider: Result) -> None:
     ))
 
 
-def record(study, trial, space: Space, result: Result, probe_result: dict[str, Any], limit_bytes: int | None,
-           purpose: str = "") -> bool:
+def record(study, trial, space: Space, result: Result, probe_result: ProbeResult, limit_bytes: int | None,
+           purpose: Purpose = "") -> bool:
     """Write the probe's facts as user attributes and finish the trial in the matching state.
 
     False when the study had already given the trial up (its heartbeat went stale): the result
@@ -502,8 +506,19 @@ def record(study, trial, space: Space, result: Result, probe_result: dict[str, A
 def _record(study, trial, space, result, probe_result, limit_bytes, purpose) -> None:
     from optuna.trial import TrialState
 
-    from fitfinder import faults
+    values = write_facts(trial, space, result, probe_result, limit_bytes, purpose)
+    if result.status == "ok":
+        study.tell(trial, values)
+    elif result.status == "oom":
+        study.tell(trial, state=TrialState.PRUNED)
+    else:
+        study.tell(trial, state=TrialState.FAIL)
 
+
+def write_facts(trial, space: Space, result: Result, probe_result: ProbeResult, limit_bytes: int | None,
+                purpose: Purpose = "") -> list[float] | None:
+    """The probe's facts as the trial's user attributes (`status` last) and its `peak_over_limit`
+    constraint; returns the objective values of a probe that ran (None for any other)."""
     attrs = {
         "purpose": purpose,
         "point": result.point,
@@ -532,12 +547,10 @@ def _record(study, trial, space, result, probe_result, limit_bytes, purpose) -> 
         over = 0.0 if limit_bytes is None else result.peak_bytes / limit_bytes - 1.0
         trial.set_constraint("peak_over_limit", over)
         speed = result.seconds_per_sample if result.seconds_per_sample is not None else math.inf
-        study.tell(trial, [float(space.quality_rank(result.point)), speed])
-    elif result.status == "oom":
+        return [float(space.quality_rank(result.point)), speed]
+    if result.status == "oom":
         trial.set_constraint("peak_over_limit", 1.0)
-        study.tell(trial, state=TrialState.PRUNED)
-    else:
-        study.tell(trial, state=TrialState.FAIL)
+    return None
 
 
 def _jsonable(value: Any) -> Any:

@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils._pytree import tree_map_only
 
+from fitfinder.probe.overhead import GpuOverhead
 from fitfinder.units import format_bytes
 
 
@@ -365,8 +366,6 @@ class EstimateMeter(SimMeter):
     fake = True
 
     def __init__(self, budget_bytes: int | None, overhead=None):
-        from fitfinder.overhead import GpuOverhead
-
         _PhaseClock.__init__(self)
         self.budget_bytes = budget_bytes
         self.overhead = GpuOverhead.from_dict(overhead)

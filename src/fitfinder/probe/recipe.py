@@ -6,7 +6,9 @@ search; the parent turns each into a result with its reason.
 
 Children are forked from a forkserver that has imported torch, diffusers and peft once (and
 never touched a GPU), so each probe starts in a fresh process without paying ~8 s of imports.
-`python -m fitfinder.probe < request.json` runs one probe the same way from a shell.
+`python -m fitfinder.probe < request.json` runs one probe the same way from a shell. The
+request is built in the parent (request.py), the processes run there too (runner.py); the
+protocol's two halves are typed in protocol.py.
 
 The recipe, phase by phase, each metered on its own (AI Toolkit's order and device placement):
 
@@ -27,28 +29,6 @@ The recipe, phase by phase, each metered on its own (AI Toolkit's order and devi
                   step (optimizer state, EMA and fragmentation present by then)
     last_sample   the preview at the end of training, unless disable_sampling, with the optimizer's
                   state still held
-
-Request (built by `request_for` from a job file with AI Toolkit's defaults): model (see
-models.model_spec), dtype, quantize and quantize_te (None or the bits) with quant_type and
-quant_type_te (AI Toolkit's qtype names, see models._weights.quantize), low_vram, text_encoder
-("keep", "cache" or "unload"), cache_latents, shapes
-([resolution, frames] pairs the datasets train on), batch_size, accumulation,
-gradient_checkpointing, rank and alpha (None for a full fine-tune, which adds only_if_contains
-and ignore_if_contains), optimizer, optimizer_params, ema_decay (None without EMA), lr, trained
-(the denoisers that get a LoRA, or train whole),
-switch_every (two-expert models), sample ({first, last, width, height, frames, steps,
-guidance_scale}), steps, meter, budget_bytes, gpu, seed; optional: prime_optimizer (the
-optimizer's state made before the first step, see `_prime_optimizer`; the estimate runs one
-step), overhead (the estimate meter's GPU overhead model, see overhead.py).
-
-Result: {"status": "ok"|"oom"|"error"|"timeout", "phase": the phase that failed or None,
-"peak_bytes", "phases": {name: peak bytes}, "phase_stats": {name: {peak_allocated,
-peak_reserved, seconds; estimate: peak_live}}, "seconds_per_step" (medians per shape, see
-`step_timing`), "timing_noise" (its relative noise), "step_seconds" (each step's, by the meter's
-step clock), "step_wall_seconds", "steps_run", "error",
-"oom_kind", "meter", "outside_bytes" (cuda: memory outside PyTorch's allocator, included in
-every peak; estimate: the modelled CUDA context), "max_rss_bytes" and "cpu_seconds" (host
-memory of the probe process at its highest, and its CPU time)}.
 """
 
 from __future__ import annotations
@@ -57,156 +37,31 @@ import contextlib
 import itertools
 import json
 import os
-import re
 import signal
 import statistics
 import sys
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
-from fitfinder import jobconfig
+from fitfinder import models, oom
+from fitfinder.probe.protocol import ProbeRequest, ProbeResult
 
-RESULT_STATUSES = ("ok", "oom", "error", "timeout")
-# Denoising steps of a preview in a probe: each step costs the same memory, so two show the
-# peak (and that it holds from one step to the next) at a tenth of the time of 20 or 30.
-SAMPLE_STEPS = 2
-
-
-# -- the request, built by the parent from a job file (no torch here) ----------------------------
-def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int = 0,
-                spec: dict | None = None) -> dict[str, Any]:
-    """Everything a probe needs, read from the job file with AI Toolkit's defaults (`spec`: the
-    model, when the caller has it another way, such as an estimate's weightless architecture)."""
-    from fitfinder import models
-
-    spec = spec or models.model_spec(job)
-    family = models.FAMILIES[spec["family"]]
-    quantize_te = job.get("model.quantize_te", None)
-    if quantize_te is None:  # AI Toolkit: quantize_te defaults to quantize
-        quantize_te = job.get("model.quantize")
-    qtype = str(job.get("model.qtype")).split("|")[0].strip().lower()
-    bits = jobconfig.qtype_bits(qtype)[0]
-    # Which key gives the text encoders' qtype is the family's (models.Family.te_qtype_key).
-    qtype_te = str(job.get(f"model.{family.te_qtype_key}")).split("|")[0].strip().lower()
-    bits_te = jobconfig.qtype_bits(qtype_te)[0]
-    return {
-        "model": spec,
-        "dtype": jobconfig.DTYPES[str(job.get("train.dtype")).lower()],
-        "quantize": bits if job.get("model.quantize") else None, "quant_type": qtype,
-        "quantize_te": bits_te if quantize_te else None, "quant_type_te": qtype_te,
-        "low_vram": bool(job.get("model.low_vram")),
-        "text_encoder": _text_encoder_mode(job),
-        "cache_latents": _latents_cached(job),
-        "shapes": _shapes(job, family.video),
-        "batch_size": int(job.get("train.batch_size")),
-        "accumulation": job.accumulation,
-        "gradient_checkpointing": bool(job.get("train.gradient_checkpointing")),
-        **_trained_weights(job),
-        "optimizer": jobconfig.optimizer_name(job.get("train.optimizer")),
-        "optimizer_params": json.loads(json.dumps(job.get("train.optimizer_params", None) or {})),
-        "ema_decay": _ema_decay(job),
-        "lr": float(job.get("train.lr")),
-        "trained": family.trained_denoisers(job),
-        "switch_every": int(job.get("train.switch_boundary_every")),
-        "sample": _sample_settings(job, family.video),
-        # AI Toolkit counts a step per micro-batch with gradient_accumulation_steps and samples on
-        # that count (BaseSDTrainProcess.run), so a preview can land while gradients accumulate.
-        "preview_holds_gradients": int(job.get("train.gradient_accumulation_steps")) > 1,
-        "steps": int(steps),
-        "meter": meter,
-        "budget_bytes": budget_bytes,
-        "gpu": gpu,
-        "seed": 0,
-    }
-
-
-def _trained_weights(job) -> dict[str, Any]:
-    """A LoRA's rank and alpha; or, without `network` (a full fine-tune), rank None and the
-    parameter name filters AI Toolkit applies to the denoiser (model.only_if_contains and
-    ignore_if_contains, matched as substrings of "transformer.NAME" / "unet.NAME")."""
-    if jobconfig.is_full_fine_tune(job):
-        return {"rank": None, "alpha": None,
-                "only_if_contains": list(job.get("model.only_if_contains", None) or []),
-                "ignore_if_contains": list(job.get("model.ignore_if_contains", None) or [])}
-    return {"rank": int(job.get("network.linear", None) or job.get("network.rank")),
-            "alpha": float(job.get("network.linear_alpha", None) or job.get("network.alpha", 1.0)),
-            # AI Toolkit's LoRA leaves out the layers whose names hold one of these (lora_special.py)
-            "lora_ignore": [str(word) for word in job.get("network.network_kwargs.ignore_if_contains", None) or []]}
-
-
-def _ema_decay(job) -> float | None:
-    """train.ema_config: None without EMA; AI Toolkit's decay defaults to 0.999."""
-    if not job.get("train.ema_config.use_ema"):
-        return None
-    return float(job.get("train.ema_config.ema_decay", None) or 0.999)
-
-
-def _text_encoder_mode(job) -> str:
-    """cache: all captions encoded before training; unload: trigger and sample prompts only; keep.
-    AI Toolkit caches when the train section or any dataset says so (BaseSDTrainProcess:
-    is_caching_text_embeddings)."""
-    if job.get("train.cache_text_embeddings") or any(job.get("datasets[*].cache_text_embeddings", None)):
-        return "cache"
-    return "unload" if job.get("train.unload_text_encoder") else "keep"
-
-
-def _latents_cached(job) -> bool:
-    """AI Toolkit keeps the VAE off the device only when every dataset caches its latents."""
-    return all(bool(memory) or bool(disk) for memory, disk in
-               zip(job.get("datasets[*].cache_latents"), job.get("datasets[*].cache_latents_to_disk")))
-
-
-def _shapes(job, video: bool) -> list[list[int]]:
-    """Every [resolution, frames] the datasets train on; frames are 1 for image families."""
-    shapes = set()
-    for resolutions, frames in zip(job.get("datasets[*].resolution"), job.get("datasets[*].num_frames")):
-        for resolution in resolutions if isinstance(resolutions, list) else [resolutions]:
-            shapes.add((int(resolution), int(frames) if video else 1))
-    return [list(shape) for shape in sorted(shapes)]
-
-
-def _sample_settings(job, video: bool) -> dict[str, Any]:
-    enabled = not job.get("train.disable_sampling")
-    width, height = _preview_size(job)
-    return {"first": enabled and not job.get("train.skip_first_sample"), "last": enabled,
-            "width": width, "height": height,
-            "frames": int(job.get("sample.num_frames")) if video else 1,
-            "steps": min(SAMPLE_STEPS, int(job.get("sample.sample_steps"))),
-            "guidance_scale": float(job.get("sample.guidance_scale"))}
-
-
-def _preview_size(job) -> tuple[int, int]:
-    """The largest preview (by pixels): sample.width x height, each of sample.samples' own
-    width/height, and a prompt's `--w`/`--h` flags (AI Toolkit's SampleConfig and
-    GenerateImageConfig read them per prompt, commit 27a03a91)."""
-    default = (int(job.get("sample.width")), int(job.get("sample.height")))
-    sizes = [default]
-    for item in (job.get("sample.samples", None) or []) + (job.get("sample.prompts", None) or []):
-        if isinstance(item, dict):
-            sizes.append((int(item.get("width", default[0])), int(item.get("height", default[1]))))
-            item = item.get("prompt", "")
-        if isinstance(item, str):
-            found = {flag: int(value) for flag, value in re.findall(r"--([wh])\s+(\d+)", item)}
-            sizes.append((found.get("w", default[0]), found.get("h", default[1])))
-    return max(sizes, key=lambda size: (size[0] * size[1], size))
 
 
 # -- the recipe (child) ------------------------------------------------------------------------
-def run(request: dict[str, Any]) -> dict[str, Any]:
+def run(request: ProbeRequest) -> ProbeResult:
     """Load, encode, sample, train `steps` steps, sample; report the peak of each phase."""
     import gc
 
-    from fitfinder import meter as meters
-    from fitfinder import oom
+    from fitfinder.probe import meter as meters  # torch: only in the child (and the estimate's process)
 
     _quiet_libraries()
     # The imported libraries' objects never become garbage: freezing them makes each phase's
     # collection (so that one phase's garbage does not count in the next) cost ms, not 0.3 s.
     gc.freeze()
     meter = meters.make(request["meter"], request.get("budget_bytes"), request.get("gpu", 0), request.get("overhead"))
-    result: dict[str, Any] = {"status": "ok", "phase": None, "error": None, "oom_kind": None,
+    result: ProbeResult = {"status": "ok", "phase": None, "error": None, "oom_kind": None,
                               "seconds_per_step": None, "steps_run": 0, "meter": meter.describe()}
     failure = None
     try:
@@ -255,8 +110,6 @@ def _quiet_libraries() -> None:
 
 
 def _recipe(request: dict, meter, result: dict) -> None:
-    from fitfinder import models
-
     sample = request["sample"]
     with meter.phase("load"):
         pipe = models.load_pipeline(request["model"], request, meter)
@@ -586,7 +439,7 @@ def _training_latents(pipe, request: dict, side: int, frames: int, heaviest: boo
 
 def _optimizer(request: dict, pipe, trained: list[str]):
     """The job's optimizer as AI Toolkit builds it (see optimizers.py), over the trained parameters."""
-    from fitfinder import optimizers
+    from fitfinder import optimizers  # torch: only in the child, never where a request is built
 
     zero_at_start = [param for name in trained for param_name, param in pipe.parts[name].named_parameters()
                      if param.requires_grad and ".lora_B." in param_name]  # peft's B starts at zero
@@ -598,7 +451,7 @@ def _ema(pipe, request: dict):
     """train.ema_config.use_ema: a shadow of every trained parameter (see optimizers.Ema), or None."""
     if request.get("ema_decay") is None:
         return None
-    from fitfinder import optimizers
+    from fitfinder import optimizers  # torch: only in the child
 
     return optimizers.Ema(pipe.trainable_parameters(request["trained"]), request["ema_decay"])
 
@@ -619,7 +472,7 @@ def _maybe_fault(fault: str | None) -> None:
         os._exit(0)
 
 
-def _result_line(result: dict[str, Any], request: dict[str, Any]) -> bytes:
+def _result_line(result: ProbeResult, request: ProbeRequest) -> bytes:
     """The one JSON result line; with the "garbage" fault, the first half of it, as a probe
     killed while writing would leave it."""
     line = json.dumps(result)
@@ -664,124 +517,6 @@ def _die_with_parent() -> None:
         pass
     if os.getppid() == 1:
         os._exit(1)
-
-
-# -- the parent ----------------------------------------------------------------------------------
-class ProbeRunner:
-    """Runs probes in fresh processes forked from a preloaded forkserver, each with a timeout."""
-
-    def __init__(self, timeout_s: float = 600.0):
-        import multiprocessing
-
-        self.timeout_s = timeout_s
-        self._server_ready = False
-        # Children inherit the user's environment, PYTORCH_CUDA_ALLOC_CONF included: AI Toolkit sets
-        # no allocator option of its own, so the probe measures the allocator the training will have.
-        _children_import_this_fitfinder()
-        self.context = multiprocessing.get_context("forkserver")
-        self.context.set_forkserver_preload(["fitfinder._preload"])
-
-    def run(self, request: dict[str, Any], log_path: str | Path | None = None) -> dict[str, Any]:
-        self._wait_for_the_server()
-        reader, writer = self.context.Pipe(duplex=False)
-        started = time.perf_counter()
-        process = self.context.Process(target=child_main, daemon=True,
-                                       args=(json.dumps(request), writer, str(log_path) if log_path else None))
-        process.start()
-        writer.close()
-        try:
-            line = self._read_line(reader, process)
-        finally:
-            reader.close()
-            if process.is_alive():
-                process.kill()
-            process.join(5)
-        result = _parse(line, process, self.timeout_s, log_path)
-        result["wall_seconds"] = round(time.perf_counter() - started, 3)
-        return result
-
-    def _wait_for_the_server(self) -> None:
-        """Fork one empty child first: the forkserver answers only once its imports are done
-        (~10 s on a busy machine), which must not count against the first probe's timeout."""
-        if self._server_ready:
-            return
-        child = self.context.Process(target=_nothing, daemon=True)
-        child.start()
-        child.join()
-        self._server_ready = True
-
-    def _read_line(self, reader, process) -> bytes | None:
-        if not reader.poll(self.timeout_s):
-            return b"timeout"
-        try:
-            return reader.recv_bytes()
-        except EOFError:  # the child ended without a result line
-            process.join(5)
-            return None
-
-
-def _nothing() -> None:
-    pass
-
-
-def _children_import_this_fitfinder() -> None:
-    """Put this fitfinder's folder first on the children's import path.
-
-    Python before 3.13 starts the forkserver with the environment's path, not the parent's
-    sys.path; without this a probe could run another installed copy of fitfinder.
-    """
-    package_root = str(Path(__file__).resolve().parents[1])
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if not paths or paths[0] != package_root:
-        os.environ["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in paths if p != package_root])
-
-
-def _parse(line: bytes | None, process, timeout_s: float, log_path) -> dict[str, Any]:
-    """The child's result, or a result that says why there is none."""
-    if line == b"timeout":
-        return _no_result("timeout", f"probe passed its {timeout_s:g} s timeout and was killed", log_path)
-    if line is None:
-        code = process.exitcode
-        if code is not None and code < 0:
-            name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
-            return _no_result("error", f"probe process was killed by {name}", log_path)
-        return _no_result("error", f"probe process exited with code {code} without a result line", log_path)
-    try:
-        result = json.loads(line)
-    except ValueError:
-        result = None
-    if not _well_formed(result):
-        return _no_result("error", f"probe printed no JSON result: {line[:200]!r}", log_path)
-    return result
-
-
-def _well_formed(result: Any) -> bool:
-    """A result the search can read: a known status, and numbers where it reads numbers (a line
-    that parses as JSON can still be garbage)."""
-    def count(value: Any) -> bool:
-        return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0)
-
-    if not isinstance(result, dict) or result.get("status") not in RESULT_STATUSES:
-        return False
-    phases = result.get("phases") or {}
-    return (count(result.get("peak_bytes")) and count(result.get("seconds_per_step")) and isinstance(phases, dict)
-            and all(isinstance(name, str) and count(peak) for name, peak in phases.items())
-            and (result["status"] != "ok" or result.get("peak_bytes") is not None))
-
-
-def _no_result(status: str, reason: str, log_path) -> dict[str, Any]:
-    tail = _log_tail(log_path)
-    return {"status": status, "phase": None, "error": reason + (f"; last output: {tail}" if tail else ""),
-            "oom_kind": None, "peak_bytes": None, "phases": {}, "phase_stats": {},
-            "seconds_per_step": None, "steps_run": None}
-
-
-def _log_tail(log_path, lines: int = 3) -> str:
-    try:
-        text = Path(log_path).read_text(errors="replace").strip().splitlines()
-    except (OSError, TypeError):
-        return ""
-    return " | ".join(text[-lines:])[-500:]
 
 
 if __name__ == "__main__":

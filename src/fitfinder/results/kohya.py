@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fitfinder import jobconfig, models
 from fitfinder.errors import UserError
 from fitfinder.jobconfig import JobFile, one_line, write_atomic
 
@@ -78,24 +79,24 @@ def _wan(task: str) -> Trainer:
 
 
 def trainer_for(job: JobFile) -> tuple[Trainer, dict[str, Any]]:
-    """The kohya trainer for the job's model family, and trainer-specific arguments (wan's task)."""
-    arch = str(job.get("model.arch", "") or "").lower()
-    name = str(job.get("model.name_or_path", "") or "").lower()
-    if arch.startswith("flux") or job.get("model.is_flux", False) or (not arch and "flux" in name):
+    """The kohya trainer for the job's model family (models.family_of, the family the search probed),
+    and trainer-specific arguments (wan's task: the variant, read from model.arch and the name)."""
+    family = models.family_of(job)
+    if family == "flux":
         return _FLUX, {}
-    if arch == "sdxl" or job.get("model.is_xl", False) or (not arch and ("sdxl" in name or "-xl-" in name)):
+    if family == "sdxl":
         return _SDXL, {}
-    if arch.startswith("wan") or (not arch and "wan" in name):
+    if family in ("wan21", "wan22"):
+        arch = str(job.get("model.arch", "") or "").lower()
+        name = str(job.get("model.name_or_path", "") or "").lower()
         mode = "i2v" if "i2v" in arch or "i2v" in name else "t2v"
-        if arch.startswith("wan22") or "wan2.2" in name:
-            if "5b" in arch or "5b" in name:
-                raise UserError("kohya export: musubi-tuner trains Wan 2.2 14B only, not the 5B model")
+        if family == "wan22":
             return _wan(f"{mode}-A14B"), {"task": f"{mode}-A14B"}
         small = "1.3b" in name or "1b" in arch
         task = f"{mode}-1.3B" if small else f"{mode}-14B"
         return _wan(task), {"task": task}
-    raise UserError(f"kohya export: no kohya trainer known for model arch={arch or '-'}, name_or_path="
-                    f"{name or '-'}; supported: flux and sdxl (sd-scripts), wan (musubi-tuner)")
+    raise UserError(f"kohya export: no kohya trainer known for the {family} family; "
+                    "supported: flux and sdxl (sd-scripts), wan (musubi-tuner)")
 
 
 @dataclass
@@ -127,8 +128,6 @@ _FP8 = re.compile(r"^(q?float8|fp8|qfloat8_e4m3fn|float8_e4m3fn)$")
 
 def write(job: JobFile, out_dir: Path) -> Export:
     """Write the four files for `job` (the winner's job file) into `out_dir`."""
-    from fitfinder import jobconfig
-
     trainer, extra = trainer_for(job)
     out_dir = Path(out_dir)
     rows: list[Mapping] = []
@@ -157,24 +156,19 @@ def write(job: JobFile, out_dir: Path) -> Export:
 
 def _training_args(job: JobFile, trainer: Trainer, extra: dict, rows: list[Mapping]) -> dict[str, dict]:
     """kohya.toml's sections: network, training, memory, sampling and saving."""
-    from fitfinder import jobconfig
-
     def row(setting, value, kohya, kind="exact", note=""):
         rows.append(Mapping(setting, value, kohya, kind, note))
 
     if jobconfig.is_full_fine_tune(job):
-        from fitfinder.errors import UserError
-
         raise UserError(f"{job.source}: a full fine-tune (no `network`): the kohya export writes LoRA jobs only")
     network_type = str(job.get("network.type", "lora")).lower()
-    rank = int(job.get("network.linear", None) or job.get("network.rank"))
-    alpha = job.get("network.linear_alpha", None) or job.get("network.alpha", None) or rank
+    rank, alpha = job.lora_rank, job.lora_alpha
     network = {"network_module": trainer.network_module, "network_dim": rank, "network_alpha": float(alpha)}
     row("network.type", network_type, f"network_module = {trainer.network_module}",
         "exact" if network_type == "lora" else "approximate",
         "" if network_type == "lora" else "kohya's LyCORIS module is a separate install; a plain LoRA is written")
     row("network.linear", rank, "network_dim")
-    row("network.linear_alpha", alpha, "network_alpha")
+    row("network.linear_alpha", int(alpha) if alpha.is_integer() else alpha, "network_alpha")
 
     batch = int(job.get("train.batch_size"))
     dtype = jobconfig.DTYPES[str(job.get("train.dtype")).lower()]
@@ -214,8 +208,7 @@ def _training_args(job: JobFile, trainer: Trainer, extra: dict, rows: list[Mappi
 def _memory_args(job: JobFile, trainer: Trainer, row) -> dict[str, Any]:
     """Base quantization, block swapping and caching."""
     memory: dict[str, Any] = {}
-    quantize, quantize_te = bool(job.get("model.quantize")), _quantize_te(job)
-    qtype = str(job.get("model.qtype")).split("|")[0].lower()
+    quantize, quantize_te, qtype = job.quantize, job.quantize_te, job.qtype
     if quantize:
         exact = bool(_FP8.match(qtype))
         if trainer.family == "flux" and not quantize_te:
@@ -248,7 +241,7 @@ def _memory_args(job: JobFile, trainer: Trainer, row) -> dict[str, Any]:
     if job.get("model.low_vram"):
         row("model.low_vram", True, "-", "none",
             "AI Toolkit's low-VRAM loading has no kohya switch; blocks_to_swap is the nearest, not written")
-    cache_te = bool(job.get("train.cache_text_embeddings")) or bool(job.get("train.unload_text_encoder"))
+    cache_te = job.text_encoder_mode != "keep"
     if trainer.musubi:
         row("train.cache_text_embeddings", cache_te, "always cached before training (kohya.sh)",
             "exact" if cache_te else "approximate", "" if cache_te else "musubi-tuner always caches them")
@@ -380,7 +373,7 @@ def _command(job: JobFile, trainer: Trainer, extra: dict, prompts: bool, dtype: 
         if "latents" in script:
             lines.append(f'python {q(script)} {dataset} --vae {files["vae"]}')
         else:
-            fp8 = " --fp8_t5" if _quantize_te(job) else ""
+            fp8 = " --fp8_t5" if job.quantize_te else ""
             lines.append(f'python {q(script)} {dataset} --t5 {files["t5"]}{fp8}')
     launch = [f"accelerate launch --num_cpu_threads_per_process 1 --mixed_precision {q(_PRECISION[dtype])} "
               f"{q(trainer.script)}", '--config_file "$here/kohya.toml"', dataset]
@@ -493,11 +486,6 @@ def _toml(sections: dict[str, Any], header: list[str]) -> str:
 
     body = {name: content for name, content in sections.items() if content}  # no empty [model] table
     return "".join(f"# {one_line(line, 1000)}\n" for line in header) + "\n" + tomli_w.dumps(body)
-
-
-def _quantize_te(job: JobFile) -> bool:
-    """AI Toolkit quantizes the text encoders as it does the model unless `quantize_te` says otherwise."""
-    return bool(job.get("model.quantize_te") if job.has("model.quantize_te") else job.get("model.quantize"))
 
 
 def _round_to(value: int, step: int) -> int:

@@ -2,7 +2,7 @@
 
 What OneTrainer and kohya ship as static preset tables for a few cards, computed for the
 user's own job: for each card size (GiB of memory as sold: a "24 GB" card has 24 GiB) the
-search's planner runs on estimates (estimate.search), as `fitfinder estimate --search` does
+search's planner runs on estimates (search.estimated.search), as `fitfinder estimate --search` does
 for one budget. One estimate.Estimator serves every card: an estimate does not depend on the
 budget, and each phase is estimated once for the knobs it depends on, so the larger cards'
 searches mostly recall what the smaller ones' estimated.
@@ -21,6 +21,9 @@ from typing import Any
 
 from fitfinder.errors import UserError
 from fitfinder.jobconfig import write_atomic
+from fitfinder.probe.estimate import Estimator
+from fitfinder.search import estimated, planner
+from fitfinder.units import format_bytes
 
 GiB = 2**30
 DEFAULT_CARDS = (8, 12, 16, 24, 32, 48, 80, 96)
@@ -91,17 +94,15 @@ def compute(job, runner, overhead, cards=DEFAULT_CARDS, on_tier=None) -> TierTab
     """The planner on estimates at each card size, smallest first, sharing one Estimator."""
     import time
 
-    from fitfinder import estimate, search
-
-    estimator = estimate.Estimator(job, runner, overhead)
+    estimator = Estimator(job, runner, overhead)
     space = estimator.space
     started = time.perf_counter()
     tiers = []
     for card in cards:
         budget = int(card * GiB)
-        found = estimate.search(job, runner, overhead, estimator=estimator, budget_bytes=budget)
+        found = estimated.search(job, runner, overhead, estimator=estimator, budget_bytes=budget)
         best = found.best
-        changed = [] if best is None else [row for row in search.explain(space, found.known, best.point)
+        changed = [] if best is None else [row for row in planner.explain(space, found.known, best.point)
                                            if row["verdict"] != "kept"]
         differs = " ".join(f"{space.by_name[row['knob']].short}={space.by_name[row['knob']].label(row['chosen'])}"
                            for row in changed)
@@ -119,8 +120,6 @@ def compute(job, runner, overhead, cards=DEFAULT_CARDS, on_tier=None) -> TierTab
 def rows(tiers: list[dict[str, Any]]) -> list[list[str]]:
     """One line per card (from tiers.json's `tiers`): size, peak, what differs from the job
     file, what was given up. The CLI and report.html show the same."""
-    from fitfinder.units import format_bytes
-
     lines = []
     for tier in tiers:
         label = f"{tier['card_gib']:g} GiB"
@@ -142,8 +141,6 @@ def write_json(table: TierTable, out_dir: Path) -> Path:
 def write_jobs(job, table: TierTable, out_dir: Path) -> list[Path]:
     """One job file per tier that fits (tiers/24gib.yaml), comments kept, a header saying what
     changed; written atomically, never over the input file (JobFile.write refuses)."""
-    from fitfinder.units import format_bytes
-
     space, written = table.space, []
     for tier in table.tiers:
         if tier.point is None:

@@ -1,6 +1,6 @@
 """fitfinder estimate: a job's peak memory per phase, predicted on a CPU, with no GPU and no weights.
 
-The probe's own recipe (probe.py) runs on the estimate meter (meter.EstimateMeter): the job's
+The probe's own recipe (recipe.py) runs on the estimate meter (meter.EstimateMeter): the job's
 full-size architecture as fake tensors (models._fake), every phase as a probe runs it, the
 storage tracker counting the bytes a card would hold. Two differences from a probe, both about
 time and neither about memory:
@@ -15,9 +15,8 @@ caching allocator rounds them, the cuBLAS workspace, the fragmentation allowance
 context (overhead.GpuOverhead: documented defaults, or what `fitfinder calibrate` measured).
 
 A job fits when its highest phase peak is at most the budget; the search's limit is the budget
-less its safety margin. `Prescreen` lets `fitfinder search` decide, without a probe, the points
-the estimate puts at PRESCREEN_FACTOR times the budget or more; `search` runs the search's own
-planner on estimates instead of probes.
+less its safety margin. The search's uses of estimates (the pre-screen, the guide, `fitfinder
+estimate --search`) are in search/estimated.py.
 """
 
 from __future__ import annotations
@@ -27,22 +26,17 @@ import gc
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from fitfinder import models, space as spaces
 from fitfinder.errors import RunFailed
-from fitfinder.overhead import GpuOverhead
-from fitfinder.units import format_bytes
+from fitfinder.probe import recipe
+from fitfinder.probe.overhead import GpuOverhead
+from fitfinder.probe.protocol import ProbeRequest, ProbeResult
+from fitfinder.probe.request import request_for as probe_request
 
-# "Well over the budget": the pre-screen decides a point without a probe when some phase is
-# estimated at this many times the budget or more. The estimate matches the sim meter's bytes
-# exactly on CPU; on a card it misses what it does not model (kernels' own scratch memory,
-# fragmentation beyond the allowance), a few percent. A quarter of the budget leaves every
-# point near the boundary to a real probe.
-PRESCREEN_FACTOR = 1.25
-
-
-def as_estimate(request: dict[str, Any], overhead: GpuOverhead) -> dict[str, Any]:
+def as_estimate(request: ProbeRequest, overhead: GpuOverhead) -> ProbeRequest:
     """A probe request as the estimate runs it: the estimate meter, one primed step, one denoising step."""
     estimate = {key: value for key, value in request.items() if key != "fault"}
     estimate.update(meter="estimate", steps=1, prime_optimizer=True, overhead=overhead.as_dict(),
@@ -50,11 +44,9 @@ def as_estimate(request: dict[str, Any], overhead: GpuOverhead) -> dict[str, Any
     return estimate
 
 
-def request_for(job, overhead: GpuOverhead) -> dict[str, Any]:
+def request_for(job, overhead: GpuOverhead) -> ProbeRequest:
     """The estimate request of a job file: its architecture, never its weights."""
-    from fitfinder import models, probe
-
-    request = probe.request_for(job, 1, "estimate", job.settings.vram_bytes, spec=models.architecture_spec(job))
+    request = probe_request(job, 1, "estimate", job.settings.vram_bytes, spec=models.architecture_spec(job))
     return as_estimate(request, overhead)
 
 
@@ -126,16 +118,14 @@ class InProcess:
             raise ValueError(f"the estimate's timeout must be positive but got {timeout_s}")
         self.timeout_s = timeout_s
 
-    def run(self, request: dict[str, Any], log_path=None) -> dict[str, Any]:
-        from fitfinder import probe
-
+    def run(self, request: ProbeRequest, log_path=None) -> ProbeResult:
         with _quiet_fds():
-            import fitfinder._preload  # noqa: F401 - the libraries, once, before the clock starts
+            import fitfinder.probe._preload  # noqa: F401 - the libraries, once, before the clock starts
         gc.collect()  # the last estimate's garbage, before probe.run freezes what is alive
         started, cpu = time.perf_counter(), time.process_time()
         try:
             with _quiet_fds(), _alarm(self.timeout_s):
-                result = probe.run(request)  # turns an exception inside the recipe into a result
+                result = recipe.run(request)  # turns an exception inside the recipe into a result
         except EstimateTimeout:  # raised outside the recipe
             result = {"status": "timeout", "phase": None, "phases": {}, "phase_stats": {}}
         if result["status"] == "timeout" or "EstimateTimeout" in (result.get("error") or ""):
@@ -198,110 +188,6 @@ def run(job, runner, overhead: GpuOverhead) -> Estimate:
                     max_rss_bytes=result.get("max_rss_bytes"))
 
 
-# -- the pre-screen of `fitfinder search` ---------------------------------------------------------
-class Prescreen:
-    """Decides before a probe the points the estimate puts well over the budget.
-
-    `outcome(request, purpose)` estimates the probe request; when some phase is estimated at
-    `factor` times the budget or more it returns the probe result that point would have, an
-    out-of-memory in the first such phase, marked `estimated`, with the predicted peaks; else
-    None, and the point is probed. Confirmations are always probed (a point that fit is never
-    overruled by a prediction), and an estimate that fails decides nothing.
-
-    The sim meter counts tensor bytes only, so under it the estimate's own bytes (no allocator
-    rounding, no GPU overhead) are compared; under the cuda meter, the card's predicted peaks.
-    """
-
-    def __init__(self, runner, budget_bytes: int | None, meter: str, overhead: GpuOverhead,
-                 factor: float = PRESCREEN_FACTOR):
-        if factor <= 1:
-            raise ValueError(f"the pre-screen factor must be above 1 but got {factor}")
-        self.runner, self.budget_bytes, self.meter = runner, budget_bytes, meter
-        self.overhead, self.factor = overhead, factor
-
-    def outcome(self, request: dict[str, Any], purpose: str = "") -> dict[str, Any] | None:
-        if not self.budget_bytes or purpose == "confirm":
-            return None
-        result = self.runner.run(as_estimate(request, self.overhead))
-        if result["status"] != "ok":
-            return None
-        key = "peak_live" if self.meter == "sim" else "peak_reserved"
-        peaks = {name: int(stats[key]) for name, stats in result["phase_stats"].items()}
-        threshold = self.factor * self.budget_bytes
-        phase = next((name for name, peak in peaks.items() if peak >= threshold), None)
-        if phase is None:
-            return None
-        share = peaks[phase] / self.budget_bytes
-        return {"status": "oom", "phase": phase, "estimated": True, "oom_kind": "config",
-                "peak_bytes": max(peaks.values()), "phases": peaks, "phase_stats": result["phase_stats"],
-                "budget_bytes": self.budget_bytes, "seconds_per_step": None, "steps_run": 0,
-                "error": (f"estimated {format_bytes(peaks[phase])} in {phase}, {share:.2f} x the budget: "
-                          f"decided without a probe (pre-screen at {self.factor:g} x)"),
-                "meter": result.get("meter"), "wall_seconds": result.get("wall_seconds")}
-
-
-# How far a probe's peak may lie from its estimate, where the estimate-guided search starts
-# (search.Guide; it widens past any disagreement a probe shows). On the CPU the estimate matches
-# the sim meter to the byte (benchmarks/estimate_accuracy.py holds it to 2%); on a card it misses
-# what it does not model, a few percent, until scripts/gpu_check.sh measures it: 10%.
-GUIDE_BAND = {"sim": 0.02, "cuda": 0.10}
-_guides: dict[tuple, Any] = {}
-
-
-def guide_for(enabled: bool | None, job, meter: str, gpu: int = 0, runner=None):
-    """The estimates that guide a search (search.plan_guided), or None: on by default with the
-    cuda meter, whose probes cost minutes. One per job and card in a process, so that the loop
-    and the search's end share what was estimated; they run from `runner` (a probe server)."""
-    if not (meter == "cuda" if enabled is None else enabled):
-        return None
-    key = (str(job.source), meter, gpu, job.settings.vram_bytes)
-    if key not in _guides:
-        from fitfinder import overhead, probe, search
-
-        runner = runner or probe.ProbeRunner(job.settings.probe_timeout)
-        model = overhead.for_gpu(gpu) if meter == "cuda" else GpuOverhead.none()
-        estimator = Estimator(job, runner, model)
-        _guides[key] = search.Guide(estimator.phases_or_none, GUIDE_BAND[meter])
-    return _guides[key]
-
-
-def prescreen_for(enabled: bool | None, runner, budget_bytes: int | None, meter: str, gpu: int = 0) -> Prescreen | None:
-    """The search's pre-screen: on by default with the cuda meter (whose probes cost minutes),
-    off by default with the sim meter (whose probes cost what an estimate costs)."""
-    if not (meter == "cuda" if enabled is None else enabled):
-        return None
-    from fitfinder import overhead
-
-    model = overhead.for_gpu(gpu) if meter == "cuda" else GpuOverhead.none()
-    return Prescreen(runner, budget_bytes, meter, model)
-
-
-# -- fitfinder estimate --search: the search's planner on estimates --------------------------------
-@dataclass
-class EstimateSearch:
-    """What the planner found when every point is estimated instead of probed."""
-
-    space: Any
-    best: Any  # search.Result or None
-    known: Any  # search.Knowledge
-    estimates_run: int
-    proven: bool
-    budget_bytes: int
-    limit_bytes: int
-    alternatives: list = field(default_factory=list)  # other speed settings predicted to fit at the best quality
-
-    def as_json(self) -> dict[str, Any]:
-        from fitfinder import search
-
-        best = self.best
-        return {"status": "fit" if best else "none", "best": best.point if best else None,
-                "peak_bytes": best.peak_bytes if best else None, "phases": best.phases if best else None,
-                "budget_bytes": self.budget_bytes, "limit_bytes": self.limit_bytes,
-                "estimates": self.estimates_run, "proven": self.proven,
-                "also_fit": [r.point for r in self.alternatives],
-                "explanation": search.explain(self.space, self.known, best.point) if best else []}
-
-
 class Estimator:
     """One job's points estimated, each phase at most once for the knobs it depends on.
 
@@ -314,8 +200,6 @@ class Estimator:
     """
 
     def __init__(self, job, runner, overhead: GpuOverhead, space=None):
-        from fitfinder import space as spaces
-
         self.job, self.runner, self.overhead = job, runner, overhead
         self.space = space or spaces.build(job)
         self.arch_name: str | None = None
@@ -359,62 +243,3 @@ class Estimator:
 
     def _phase_key(self, phase: str, point) -> tuple:
         return (phase, *(point[k.name] for k in self.space.knobs if phase in k.phases))
-
-
-def search(job, runner, overhead: GpuOverhead, on_estimate=None, estimator: Estimator | None = None,
-           budget_bytes: int | None = None) -> EstimateSearch:
-    """The search's planner (search.drive), each planned point estimated instead of probed.
-
-    Nothing is written to studies/: a study holds measurements, and a later real search resuming
-    it must not take predictions for them. An estimate is deterministic, so the planner's
-    confirmation of the winner repeats it from memory, and one that fails stops the search with
-    its error (the next point would fail the same way). Speed is not estimated: among the points
-    of the best quality, every speed setting predicted to fit is reported. `estimator` shares
-    estimates between searches of the same job at several budgets (`budget_bytes`, default the
-    job's).
-    """
-    from fitfinder import search as searching
-
-    estimator = estimator or Estimator(job, runner, overhead)
-    space = estimator.space
-    budget = budget_bytes or job.settings.vram_bytes
-    limit = int(budget * (1 - job.settings.margin))
-    known = searching.Knowledge(space, limit)
-    runs_before = estimator.runs
-
-    def estimate_step(step) -> None:
-        result = _as_result(len(known.results), step, estimator.of(step.point))
-        known.add(result)
-        if on_estimate is not None:
-            on_estimate(space, result, budget)
-
-    proven, _ = searching.drive(space, known, estimate_step, 0, job.settings.trials)
-    best, alternatives = _fastest_candidates(space, known, searching.best(space, known))
-    return EstimateSearch(space=space, best=best, known=known, estimates_run=estimator.runs - runs_before,
-                          proven=proven, budget_bytes=budget, limit_bytes=limit, alternatives=alternatives)
-
-
-def _as_result(trial: int, step, found: Estimate):
-    """An estimate as the planner's Result: every phase's peak, judged against the limit as a
-    probe that ran would be (a phase over the limit rules out what is heavier on its knobs)."""
-    from fitfinder.search import Result
-
-    return Result(trial=trial, point=step.point, status="ok", peak_bytes=found.peak_bytes, phases=found.phases,
-                  confirm=step.purpose == "confirm",
-                  extra={"purpose": step.purpose, "estimated": True, "seconds": found.seconds})
-
-
-def _fastest_candidates(space, known, best):
-    """Among the points of the best's quality predicted to fit, those no other one outweighs on
-    the speed knobs (a larger batch, checkpointing or offload off: each only faster); which of
-    them is fastest only a probe can tell. The first found stands as the answer."""
-    if best is None:
-        return None, []
-    quality = space.quality_key(best.point)
-    same: dict[tuple, Any] = {}
-    for result in known.fits():
-        if space.quality_key(result.point) == quality:
-            same.setdefault(space.key(result.point), result)
-    maximal = [r for key, r in same.items()
-               if not any(other != key and space.heavier_or_equal(o.point, r.point) for other, o in same.items())]
-    return maximal[0], maximal[1:]

@@ -19,14 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fitfinder import search
+from fitfinder import probe
 from fitfinder.errors import RunFailed, UserError
-from fitfinder.search import Result, Step
+from fitfinder.probe import faults, preflight
+from fitfinder.search import estimated, study as studies
+from fitfinder.search.planner import CONFIRM_FACTOR, Knowledge, Result, Step, result_from_probe
+from fitfinder.units import format_bytes
 
 
 def work(job, space, study, options, limit: int | None, out) -> None:
     """Probe the study's planned points until the plan is done or the trial cap is reached."""
-    from fitfinder import estimate, faults, probe, study as studies
+    from fitfinder.search.sampler import FitSampler  # optuna: imported once a search runs
 
     settings = job.settings
     log_dir = Path(options.results_dir) / options.study_name / "probes"
@@ -34,16 +37,18 @@ def work(job, space, study, options, limit: int | None, out) -> None:
     card = _card(options)
     _refuse_a_different_card(study, card, options.study_name)
     runner = probe.ProbeRunner(timeout_s=settings.probe_timeout)
-    bench = _Bench(runner, estimate.prescreen_for(options.prescreen, runner, settings.vram_bytes, options.meter,
+    bench = _Bench(runner, estimated.prescreen_for(options.prescreen, runner, settings.vram_bytes, options.meter,
                                                   options.gpu), faults.probe_faults(), log_dir, card,
-                   estimate.guide_for(options.guided, job, options.meter, options.gpu, runner))
+                   estimated.guide_for(options.guided, job, options.meter, options.gpu, runner))
+    # The study's sampler is the plan; this worker's carries its guide (estimates from its runner).
+    study.sampler = FitSampler(space, limit, bench.guide)
     pause = 0.5  # while others probe what the plan waits for: short, probes can be too
     with out.progress(settings.trials, "probing"):
         while True:
             studies.fail_stale(study)
             known, pending = studies.read(study, space, limit)
-            search._stop_if_probes_keep_failing(known.results, log_dir)
-            step = search.next_step(space, known, pending, bench.guide)
+            stop_if_probes_keep_failing(known.results, log_dir)
+            step = study.sampler.next_step(known, pending)
             _record_decided(study, space, step.decided)
             if studies.probes_in(study) >= settings.trials:
                 return
@@ -75,37 +80,33 @@ class _Bench:
 def _probe(trial, job, space, study, options, limit, bench: _Bench, first_attempt: bool, out) -> None:
     """Probe the claimed trial's point and record it; a point the pre-screen estimates far over
     the budget is recorded as its predicted OOM instead."""
-    from fitfinder import faults, probe, study as studies
-
     faults.kill_if_at("claimed", trial.number)
     purpose = trial.user_attrs.get("purpose", "")
-    step = Step(dict(trial.params), purpose, search.CONFIRM_FACTOR if purpose == "confirm" else 1)
+    step = Step(dict(trial.params), purpose, CONFIRM_FACTOR if purpose == "confirm" else 1)
     settings = job.settings
     request = probe.request_for(space.apply(job, step.point), settings.probe_steps * step.steps_factor,
-                                options.meter, settings.vram_bytes, options.gpu)
-    fault = faults.probe_fault(bench.faults, trial.number, first_attempt)
-    if fault:
-        request["fault"] = fault
+                                options.meter, settings.vram_bytes, options.gpu,
+                                fault=faults.probe_fault(bench.faults, trial.number, first_attempt))
     trial.set_user_attr("card", bench.card["name"])
     trial.set_user_attr("card_total_bytes", bench.card["total_bytes"])
     faults.kill_if_at("beating", trial.number)
     try:
         with studies.heartbeat_while(study, trial):
-            outcome = bench.screen.outcome(request, purpose) if bench.screen else None
-            if outcome is None:
+            probe_result = bench.screen.outcome(request, purpose) if bench.screen else None
+            if probe_result is None:
                 _kill_while_probing(trial.number)
-                outcome = bench.runner.run(request, bench.log_dir / f"trial-{trial.number:04d}.log")
+                probe_result = bench.runner.run(request, bench.log_dir / f"trial-{trial.number:04d}.log")
     except KeyboardInterrupt:
         trial.set_user_attr("error", "interrupted: the search was stopped while this probe ran")
         study.tell(trial, state=studies.fail_state(), skip_if_finished=True)
         raise
     faults.kill_if_at("probed", trial.number)
-    result = search.result_from_probe(trial.number, step, outcome)
+    result = result_from_probe(trial.number, step, probe_result)
     if bench.guide is not None:  # how far the estimate was: the band widens past a disagreement
         for key, value in bench.guide.disagreement(result).items():
             trial.set_user_attr(key, value)
-    judged = search.Knowledge(space, limit).add(result)
-    if studies.record(study, trial, space, judged, outcome, limit, purpose):
+    judged = Knowledge(space, limit).add(result)
+    if studies.record(study, trial, space, judged, probe_result, limit, purpose):
         faults.kill_if_at("recorded", trial.number)
         out.trial(space, judged, settings.vram_bytes, purpose)
         out.advance()
@@ -113,8 +114,6 @@ def _probe(trial, job, space, study, options, limit, bench: _Bench, first_attemp
 
 def _kill_while_probing(trial_number: int) -> None:
     """FITFINDER_KILL_AT=probing:N: SIGKILL this process a moment after trial N's probe started."""
-    from fitfinder import faults
-
     if faults.kill_point() == ("probing", trial_number):
         timer = threading.Timer(0.3, faults.kill_if_at, args=("probing", trial_number))
         timer.daemon = True
@@ -122,8 +121,6 @@ def _kill_while_probing(trial_number: int) -> None:
 
 
 def _record_decided(study, space, decided: list[tuple[dict, Result]]) -> None:
-    from fitfinder import study as studies
-
     if not decided:
         return
     recorded = studies.decided_keys(study, space)
@@ -138,8 +135,6 @@ def _card(options) -> dict:
     """The card this worker measures on: its name and total memory (NVML, no CUDA context)."""
     if options.meter != "cuda":
         return {"name": "cpu (sim meter)", "total_bytes": None}
-    from fitfinder import preflight
-
     reading = preflight.read_card(options.gpu)  # device 0 of the worker: its CUDA_VISIBLE_DEVICES card
     return {"name": reading.name, "total_bytes": reading.total_bytes}
 
@@ -151,8 +146,6 @@ def _refuse_a_different_card(study, card: dict, name: str) -> None:
     for trial in study.get_trials(deepcopy=False):
         other = trial.user_attrs.get("card_total_bytes")
         if other and other != card["total_bytes"]:
-            from fitfinder.units import format_bytes
-
             raise UserError(
                 f"study {name!r} was measured on {trial.user_attrs.get('card')} ({format_bytes(other)}); "
                 f"this card is a {card['name']} ({format_bytes(card['total_bytes'])}): give --vram to "
@@ -212,3 +205,49 @@ def worker_command(job, options, url: str, index: int) -> list[str]:
 def _relay(process, prefix: str, out) -> None:
     for line in process.stdout:
         out.line(prefix + line.rstrip("\n"))
+
+
+# -- the same probe as an Optuna objective (one process continuing a search from Python) ---------
+def probe_objective(job, space, limit_bytes: int | None, meter: str = "sim", gpu: int = 0, runner=None):
+    """An objective for `study.optimize` on a study whose sampler is a FitSampler: it probes the
+    point the plan sampled (its stage is the trial's `purpose`) and writes the probe's facts as
+    the workers do; an OOM prunes the trial, a crashed probe fails it (NaN values), and a trial
+    the plan asked nothing for stops the study and is pruned with no point (read as nothing)."""
+    import math
+
+    import optuna
+
+    runner = runner or probe.ProbeRunner(job.settings.probe_timeout)
+    settings = job.settings
+
+    def objective(trial):
+        if not trial.relative_params:  # FitSampler plans here (Optuna samples on first use)
+            trial.study.stop()
+            raise optuna.TrialPruned("the plan asks for no point: the search is done")
+        purpose = trial.study.sampler.purposes.get(trial.number, "")
+        point = {name: trial.suggest_categorical(name, dist.choices)
+                 for name, dist in studies.distributions(space).items()}
+        step = Step(point, purpose, CONFIRM_FACTOR if purpose == "confirm" else 1)
+        request = probe.request_for(space.apply(job, point), settings.probe_steps * step.steps_factor, meter,
+                                    settings.vram_bytes, gpu)
+        probe_result = runner.run(request)
+        result = Knowledge(space, limit_bytes).add(result_from_probe(trial.number, step, probe_result))
+        values = studies.write_facts(trial, space, result, probe_result, limit_bytes, purpose)
+        if result.status == "oom":
+            raise optuna.TrialPruned(result.error or "out of memory")
+        return values if values is not None else [math.nan, math.nan]  # Optuna fails a trial with NaN values
+
+    return objective
+
+
+# -- probes that keep failing ----------------------------------------------------------------------
+MAX_ERRORS_IN_A_ROW = 5
+
+
+def stop_if_probes_keep_failing(results: list[Result], log_dir) -> None:
+    """Errors are not OOMs: when every recent probe fails with one, the job itself is broken."""
+    recent = results[-MAX_ERRORS_IN_A_ROW:]
+    if len(recent) == MAX_ERRORS_IN_A_ROW and all(r.status in ("error", "timeout") for r in recent):
+        last = recent[-1]
+        raise RunFailed(f"the last {MAX_ERRORS_IN_A_ROW} probes failed with errors, not out of memory: "
+                        f"{(last.error or '').splitlines()[0][:300]}; see {log_dir}/trial-{last.trial:04d}.log")

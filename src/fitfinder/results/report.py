@@ -18,11 +18,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from fitfinder import tiers
+from fitfinder import jobconfig, space as spaces
 from fitfinder.errors import UserError
 from fitfinder.jobconfig import JobFile, write_atomic
-from fitfinder.space import Point, Space
-from fitfinder.study import params_of
+from fitfinder.results import _plots
+from fitfinder.search import planner, study as studies, tiers
+from fitfinder.search.loop import SearchSummary
+from fitfinder.search.study import params_of
+from fitfinder.space import PHASES, Point, Space
 from fitfinder.units import format_bytes
 
 
@@ -104,7 +107,7 @@ class StudyView:
     url: str
     study: Any
     space: Space
-    known: Any  # search.Knowledge
+    known: Any  # planner.Knowledge
     budget_bytes: int | None
     margin: float
     limit_bytes: int | None
@@ -121,8 +124,6 @@ def open_study(name: str, studies_dir: Path, storage: str | None, job_path: Path
     import warnings
 
     import optuna
-
-    from fitfinder import jobconfig, space as spaces, study as studies
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
@@ -152,31 +153,34 @@ def open_study(name: str, studies_dir: Path, storage: str | None, job_path: Path
     return StudyView(name, storage, study, space, known, budget, margin, limit, str(attrs.get("meter", "")))
 
 
-def summary_of(view: StudyView, out_dir: Path) -> dict[str, Any]:
-    """The search's JSON summary, rebuilt from the study as the search would have written it."""
-    from fitfinder import search
-
-    winner = search.best(view.space, view.known)
-    best_file = Path(out_dir) / "best.yaml"
-    return search.SearchSummary(
-        status="fit" if winner else "none", study=view.name, storage=view.url, trials=len(view.study.trials),
-        probes_run=len(view.known.results), proven=search.plan(view.space, view.known).point is None,
-        best=winner, best_point=winner.point if winner else None,
-        best_file=str(best_file) if winner and best_file.exists() else None,
-        budget_bytes=view.budget_bytes, limit_bytes=view.limit_bytes,
-    ).as_json()
+# -- everything in results/NAME/ -----------------------------------------------------------------
+def write_results(summary: SearchSummary, out_dir: Path, job: JobFile | None = None) -> dict[str, Path]:
+    """results/NAME/: trials.csv, best.yaml (with `job`, when something fits), summary.json and
+    report.html, from the search's summary. `fitfinder search` writes all four; `fitfinder report`
+    rewrites all but best.yaml from the study. Returns the paths written."""
+    study, space, known = summary.optuna_study, summary.space, summary.known
+    paths = {"trials": write_trials_csv(study, space, Path(out_dir) / "trials.csv")}
+    if job is not None and summary.best is not None:
+        facts = fit_facts(summary.best, summary.budget_bytes, summary.margin, summary.meter, summary.study)
+        if not summary.proven:
+            facts.append(f"The search stopped at its cap of {summary.trial_cap} probes before proving this is the "
+                         "best.")
+        for failed in summary.excluded:
+            facts.append(f"Proven only around trial {failed.trial} ({space.describe(failed.point)}): its probe "
+                         f"failed {planner.ATTEMPTS} times without running out of memory, so it was left out.")
+        paths["best"] = export_best(job, space, summary.best_point, Path(out_dir), facts)
+    paths.update(write_report(study, space, known, Path(out_dir), summary.as_json()))
+    return paths
 
 
 # -- summary.json and report.html --------------------------------------------------------------
 def write_report(study, space: Space, known, out_dir: Path, summary: dict[str, Any]) -> dict[str, Path]:
     """results/NAME/summary.json and results/NAME/report.html; returns their paths."""
-    from fitfinder import _plots, search
-
     attrs = study.user_attrs
     budget, limit = attrs.get("budget_bytes"), known.limit_bytes
     probes = probes_of(study, known)
-    winner = search.best(space, known)
-    rows = search.explain(space, known, winner.point) if winner else []
+    winner = planner.best(space, known)
+    rows = planner.explain(space, known, winner.point) if winner else []
     base = next(iter(known.probed(space.desired())), None)
     other = winner or min((r for r in known.results if r.peak_bytes), key=lambda r: r.peak_bytes, default=None)
     payload = {**summary, "explanation": rows,
@@ -212,8 +216,6 @@ def write_report(study, space: Space, known, out_dir: Path, summary: dict[str, A
         label = "winner" if winner else "lowest peak"
         groups.append((f"{label}, trial {other.trial}", other.phases))
     if groups:
-        from fitfinder.space import PHASES
-
         sections.append(_figure_section(
             "Peak of each phase: " + (" against ".join(label.split(",")[0] for label, _ in groups[::-1])),
             "The highest memory in use during each phase of the probe.",
@@ -231,8 +233,6 @@ def probes_of(study, known) -> list:
     the space (a worker killed while an older fitfinder wrote it) shows without one."""
     from optuna.trial import TrialState
 
-    from fitfinder._plots import Probe
-
 
     verdicts = {r.trial: r.verdict for r in known.results}
     probes = []
@@ -249,7 +249,7 @@ def probes_of(study, known) -> list:
             outcome = status
         else:
             outcome = "error"
-        probes.append(Probe(
+        probes.append(_plots.Probe(
             number=trial.number, outcome=outcome, point=_whole_point(known.space, params_of(trial)),
             peak_bytes=attrs.get("peak_bytes"), phases=attrs.get("phases") or {}, phase=attrs.get("phase"),
             seconds_per_step=attrs.get("seconds_per_step"), start=trial.datetime_start,
@@ -338,9 +338,7 @@ def _tiers_section(found: dict[str, Any]) -> str:
 
 
 def _figure_section(title: str, note: str, fig, div_id: str) -> str:
-    from fitfinder._plots import to_div
-
-    return f"<section><h2>{_e(title)}</h2><p class='note'>{_e(note)}</p>{to_div(fig, div_id)}</section>"
+    return f"<section><h2>{_e(title)}</h2><p class='note'>{_e(note)}</p>{_plots.to_div(fig, div_id)}</section>"
 
 
 def _trials_section(space: Space, probes: list, budget: int | None) -> str:

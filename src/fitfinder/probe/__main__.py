@@ -1,0 +1,5 @@
+"""`python -m fitfinder.probe < request.json`: one probe, its one JSON result line on stdout."""
+
+from fitfinder.probe.recipe import main
+
+main()

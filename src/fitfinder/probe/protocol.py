@@ -1,0 +1,107 @@
+"""The probe's process boundary: one JSON request in, exactly one JSON result line out.
+
+Both halves are plain dicts (they cross a pipe as JSON); `ProbeRequest` and `ProbeResult` type
+them for the readers on each side, and every module calls them by these names (`request`,
+`probe_result`). The request is built in one place, `probe.request.request_for` (an estimate
+rewrites three of its fields: `probe.estimate.as_estimate`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Literal, Optional, get_args
+
+if sys.version_info >= (3, 11):
+    from typing import NotRequired, TypedDict
+else:  # pragma: no cover - Python 3.10
+    from typing_extensions import NotRequired, TypedDict
+
+Status = Literal["ok", "oom", "error", "timeout"]
+Phase = Literal["load", "text_encoder", "latents", "sample", "train", "last_sample"]
+Meter = Literal["sim", "cuda", "estimate"]
+TextEncoderMode = Literal["keep", "cache", "unload"]
+Purpose = Literal["", "base", "rollback", "quality", "speed", "confirm"]  # which stage of the plan asked
+Verdict = Literal["fit", "nofit"]  # the planner's reading of a result against the limit (None: says nothing)
+
+RESULT_STATUSES: tuple[str, ...] = get_args(Status)
+
+
+class SampleSettings(TypedDict):
+    first: bool  # the preview before training (not with skip_first_sample or disable_sampling)
+    last: bool  # the preview after training (not with disable_sampling)
+    width: int
+    height: int
+    frames: int
+    steps: int  # denoising steps: at most request.SAMPLE_STEPS
+    guidance_scale: float
+
+
+class ProbeRequest(TypedDict):
+    """Everything a probe needs, read from the job file with AI Toolkit's defaults."""
+
+    model: dict[str, Any]  # models.model_spec (or models.architecture_spec for an estimate)
+    dtype: str
+    quantize: Optional[int]  # bits of the base model's weights, None: not quantized
+    quant_type: str  # AI Toolkit's qtype name (see models._weights.quantize)
+    quantize_te: Optional[int]
+    quant_type_te: str
+    low_vram: bool
+    text_encoder: TextEncoderMode
+    cache_latents: bool
+    shapes: list[list[int]]  # [resolution, frames] pairs the datasets train on
+    batch_size: int
+    accumulation: int
+    gradient_checkpointing: bool
+    rank: Optional[int]  # None: a full fine-tune, which adds the two filters below
+    alpha: Optional[float]
+    only_if_contains: NotRequired[list[str]]
+    ignore_if_contains: NotRequired[list[str]]
+    lora_ignore: NotRequired[list[str]]  # a LoRA's network_kwargs.ignore_if_contains: layers it leaves out
+    optimizer: str
+    optimizer_params: dict[str, Any]
+    ema_decay: Optional[float]  # None without EMA
+    lr: float
+    trained: list[str]  # the denoisers that get a LoRA, or train whole
+    switch_every: int  # two-expert models
+    sample: SampleSettings
+    preview_holds_gradients: bool
+    steps: int
+    meter: Meter
+    budget_bytes: Optional[int]
+    gpu: int
+    seed: int
+    prime_optimizer: NotRequired[bool]  # the optimizer's state made before the first step (the estimate)
+    overhead: NotRequired[dict[str, Any]]  # the estimate meter's GPU overhead model (probe.overhead)
+    fault: NotRequired[str]  # a test hook's injected failure (probe.faults)
+
+
+class PhaseStats(TypedDict, total=False):
+    peak_allocated: int
+    peak_reserved: int
+    seconds: float
+    peak_live: int  # estimate: the tensor bytes alone
+
+
+class ProbeResult(TypedDict, total=False):
+    """The child's one result line; the runner makes one that says why when there is none."""
+
+    status: Status
+    phase: Optional[Phase]  # the phase that ran out of memory (or failed), None when ok
+    peak_bytes: Optional[int]
+    phases: dict[str, int]  # phase -> peak bytes
+    phase_stats: dict[str, PhaseStats]
+    seconds_per_step: Optional[float]  # medians per shape (recipe.step_timing)
+    timing_noise: float  # the timing's relative noise
+    step_seconds: list[float]  # each step's, by the meter's step clock
+    step_wall_seconds: list[float]
+    steps_run: Optional[int]
+    error: Optional[str]
+    traceback: str  # an error that is not an out-of-memory
+    oom_kind: Optional[str]  # oom.classify: config or environment
+    meter: str  # the meter, described
+    budget_bytes: Optional[int]
+    outside_bytes: Optional[int]  # cuda: memory outside PyTorch's allocator (in every peak); estimate: the context
+    max_rss_bytes: int  # host memory of the probe process at its highest
+    cpu_seconds: float
+    wall_seconds: float  # the runner's clock, start to result
+    estimated: bool  # the search's pre-screen decided it on an estimate (search.estimated.Prescreen)

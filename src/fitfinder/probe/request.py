@@ -1,0 +1,118 @@
+"""A probe's request, built in the parent from a job file with AI Toolkit's defaults (no torch here).
+
+See protocol.py for every field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from fitfinder import jobconfig, models
+from fitfinder.errors import UserError
+from fitfinder.probe.protocol import ProbeRequest, SampleSettings
+
+# Denoising steps of a preview in a probe: each step costs the same memory, so two show the
+# peak (and that it holds from one step to the next) at a tenth of the time of 20 or 30.
+SAMPLE_STEPS = 2
+
+
+def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int = 0,
+                spec: dict | None = None, fault: str | None = None) -> ProbeRequest:
+    """Everything a probe needs, read from the job file with AI Toolkit's defaults (`spec`: the
+    model, when the caller has it another way, such as an estimate's weightless architecture;
+    `fault`: a test hook's injected failure, see probe.faults). The one place a request is built."""
+    spec = spec or models.model_spec(job)
+    family = models.FAMILIES[spec["family"]]
+    qtype = job.qtype
+    bits = jobconfig.qtype_bits(qtype)[0]
+    # Which key gives the text encoders' qtype is the family's (models.Family.te_qtype_key): Flux
+    # and Wan quantize T5/UMT5 with model.qtype, Qwen-Image and Z-Image read qtype_te.
+    qtype_te = job.qtype_te if family.te_qtype_key == "qtype_te" else qtype
+    bits_te = jobconfig.qtype_bits(qtype_te)[0]
+    return {
+        "model": spec,
+        "dtype": jobconfig.DTYPES[str(job.get("train.dtype")).lower()],
+        "quantize": bits if job.quantize else None, "quant_type": qtype,
+        "quantize_te": bits_te if job.quantize_te else None, "quant_type_te": qtype_te,
+        "low_vram": bool(job.get("model.low_vram")),
+        "text_encoder": job.text_encoder_mode,
+        "cache_latents": job.latents_cached,
+        "shapes": _shapes(job, family.video),
+        "batch_size": int(job.get("train.batch_size")),
+        "accumulation": job.accumulation,
+        "gradient_checkpointing": bool(job.get("train.gradient_checkpointing")),
+        **_trained_weights(job),
+        "optimizer": jobconfig.optimizer_name(job.get("train.optimizer")),
+        "optimizer_params": json.loads(json.dumps(job.get("train.optimizer_params", None) or {})),
+        "ema_decay": _ema_decay(job),
+        "lr": float(job.get("train.lr")),
+        "trained": family.trained_denoisers(job),
+        "switch_every": int(job.get("train.switch_boundary_every")),
+        "sample": _sample_settings(job, family.video),
+        # AI Toolkit counts a step per micro-batch with gradient_accumulation_steps and samples on
+        # that count (BaseSDTrainProcess.run), so a preview can land while gradients accumulate.
+        "preview_holds_gradients": int(job.get("train.gradient_accumulation_steps")) > 1,
+        "steps": int(steps),
+        "meter": meter,
+        "budget_bytes": budget_bytes,
+        "gpu": gpu,
+        "seed": 0,
+        **({"fault": fault} if fault else {}),
+    }
+
+
+def _trained_weights(job) -> dict[str, Any]:
+    """A LoRA's rank and alpha; or, without `network` (a full fine-tune), rank None and the
+    parameter name filters AI Toolkit applies to the denoiser (model.only_if_contains and
+    ignore_if_contains, matched as substrings of "transformer.NAME" / "unet.NAME")."""
+    if jobconfig.is_full_fine_tune(job):
+        return {"rank": None, "alpha": None,
+                "only_if_contains": list(job.get("model.only_if_contains", None) or []),
+                "ignore_if_contains": list(job.get("model.ignore_if_contains", None) or [])}
+    return {"rank": job.lora_rank, "alpha": job.lora_alpha,
+            # AI Toolkit's LoRA leaves out the layers whose names hold one of these (lora_special.py)
+            "lora_ignore": [str(word) for word in job.get("network.network_kwargs.ignore_if_contains", None) or []]}
+
+
+def _ema_decay(job) -> float | None:
+    """train.ema_config: None without EMA; AI Toolkit's decay defaults to 0.999."""
+    if not job.get("train.ema_config.use_ema"):
+        return None
+    return float(job.get("train.ema_config.ema_decay", None) or 0.999)
+
+
+def _shapes(job, video: bool) -> list[list[int]]:
+    """Every [resolution, frames] the datasets train on; frames are 1 for image families."""
+    shapes = set()
+    for resolutions, frames in zip(job.get("datasets[*].resolution"), job.get("datasets[*].num_frames")):
+        for resolution in resolutions if isinstance(resolutions, list) else [resolutions]:
+            shapes.add((int(resolution), int(frames) if video else 1))
+    return [list(shape) for shape in sorted(shapes)]
+
+
+def _sample_settings(job, video: bool) -> SampleSettings:
+    enabled = not job.get("train.disable_sampling")
+    width, height = _preview_size(job)
+    return {"first": enabled and not job.get("train.skip_first_sample"), "last": enabled,
+            "width": width, "height": height,
+            "frames": int(job.get("sample.num_frames")) if video else 1,
+            "steps": min(SAMPLE_STEPS, int(job.get("sample.sample_steps"))),
+            "guidance_scale": float(job.get("sample.guidance_scale"))}
+
+
+def _preview_size(job) -> tuple[int, int]:
+    """The largest preview (by pixels): sample.width x height, each of sample.samples' own
+    width/height, and a prompt's `--w`/`--h` flags (AI Toolkit's SampleConfig and
+    GenerateImageConfig read them per prompt, commit 27a03a91)."""
+    default = (int(job.get("sample.width")), int(job.get("sample.height")))
+    sizes = [default]
+    for item in (job.get("sample.samples", None) or []) + (job.get("sample.prompts", None) or []):
+        if isinstance(item, dict):
+            sizes.append((int(item.get("width", default[0])), int(item.get("height", default[1]))))
+            item = item.get("prompt", "")
+        if isinstance(item, str):
+            found = {flag: int(value) for flag, value in re.findall(r"--([wh])\s+(\d+)", item)}
+            sizes.append((found.get("w", default[0]), found.get("h", default[1])))
+    return max(sizes, key=lambda size: (size[0] * size[1], size))
