@@ -154,6 +154,29 @@ def test_jobs_round_trip_and_say_what_differs(text, repo, unmatched, tmp_path):
         assert "no equivalent: model.low_vram = true" in (tmp_path / "kohya.toml").read_text()
 
 
+@pytest.mark.parametrize("arch, name, task, clip", [
+    ("wan21_i2v:14b480p", "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", "i2v-14B", True),
+    ("wan22_14b_i2v", "ai-toolkit/Wan2.2-I2V-A14B-Diffusers-bf16", "i2v-A14B", False),
+])
+def test_image_to_video_jobs_export_to_their_musubi_task(arch, name, task, clip, tmp_path):
+    text = WAN_JOB.replace("name_or_path: ai-toolkit/Wan2.2-T2V-A14B-Diffusers-bf16, arch: wan22_14b",
+                           f"name_or_path: {name}, arch: {arch}")
+    done = kohya.write(jobconfig.loads(text, "job.yaml"), tmp_path)
+    script = (tmp_path / "kohya.sh").read_text()
+    assert tomllib.loads((tmp_path / "kohya.toml").read_text())["model"]["task"] == task
+    assert ("--clip" in script) is clip  # Wan 2.1 I2V's CLIP image encoder; Wan 2.2 has none
+    assert ("--dit_high_noise" in script) is (task == "i2v-A14B") and done.trainer.repo == "musubi-tuner"
+
+
+def test_a_family_musubi_tuner_does_not_train_is_refused_in_one_line(tmp_path):
+    text = WAN_JOB.replace("name_or_path: ai-toolkit/Wan2.2-T2V-A14B-Diffusers-bf16, arch: wan22_14b",
+                           "name_or_path: Wan-AI/Wan2.2-TI2V-5B-Diffusers, arch: wan22_5b")
+    with pytest.raises(UserError) as caught:
+        kohya.write(jobconfig.loads(text, "job.yaml"), tmp_path)
+    assert str(caught.value).startswith("kohya export: no kohya trainer known for the wan22_5b family")
+    assert list(tmp_path.iterdir()) == []  # nothing half-written
+
+
 def test_a_family_fitfinder_does_not_know_never_reaches_the_export(tmp_path):
     with pytest.raises(UserError) as caught:
         jobconfig.loads(FLUX_JOB.replace("is_flux: true", "arch: anima"), "job.yaml")

@@ -72,6 +72,8 @@ def _wan(task: str) -> Trainer:
              ("vae", "WAN_VAE", "Wan2.1_VAE.pth"), ("t5", "WAN_T5", "models_t5_umt5-xxl-enc-bf16.pth")]
     if "A14B" in task:
         files.insert(1, ("dit_high_noise", "WAN_DIT_HIGH_NOISE", "the Wan 2.2 high-noise DiT .safetensors"))
+    if task == "i2v-14B":  # Wan 2.1 I2V conditions on a CLIP image encoder
+        files.append(("clip", "WAN_CLIP", "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth"))
     return Trainer("wan", "musubi-tuner", "src/musubi_tuner/wan_train_network.py", "networks.lora_wan",
                    tuple(files), max_blocks_to_swap=swap,
                    cache_scripts=("src/musubi_tuner/wan_cache_latents.py",
@@ -86,17 +88,16 @@ def trainer_for(job: JobFile) -> tuple[Trainer, dict[str, Any]]:
         return _FLUX, {}
     if family == "sdxl":
         return _SDXL, {}
-    if family in ("wan21", "wan22"):
+    # musubi-tuner's Wan tasks (wan_train_network.py --task); its TI2V-5B training is not one of them.
+    tasks = {"wan22": "t2v-A14B", "wan22_i2v": "i2v-A14B", "wan21_i2v": "i2v-14B"}
+    if family == "wan21":
         arch = str(job.get("model.arch", "") or "").lower()
         name = str(job.get("model.name_or_path", "") or "").lower()
-        mode = "i2v" if "i2v" in arch or "i2v" in name else "t2v"
-        if family == "wan22":
-            return _wan(f"{mode}-A14B"), {"task": f"{mode}-A14B"}
-        small = "1.3b" in name or "1b" in arch
-        task = f"{mode}-1.3B" if small else f"{mode}-14B"
-        return _wan(task), {"task": task}
+        tasks["wan21"] = "t2v-1.3B" if "1.3b" in name or "1b" in arch else "t2v-14B"
+    if family in tasks:
+        return _wan(tasks[family]), {"task": tasks[family]}
     raise UserError(f"kohya export: no kohya trainer known for the {family} family; "
-                    "supported: flux and sdxl (sd-scripts), wan (musubi-tuner)")
+                    "supported: flux and sdxl (sd-scripts), wan21, wan21_i2v, wan22 and wan22_i2v (musubi-tuner)")
 
 
 @dataclass
