@@ -67,19 +67,19 @@ def test_quantization_of_base_and_text_encoder(changes, expected):
 
 
 def test_unknown_qtype_optimizer_and_arch_are_reported_by_key():
-    job = tiny_job("flux", {"train.optimizer": "sgd", "model.qtype": "int2", "model.arch": "hidream"})
+    job = tiny_job("flux", {"train.optimizer": "sgd", "model.qtype": "int2", "model.arch": "omnigen2"})
     with pytest.raises(ConfigError) as raised:
         jobconfig.loads(job.dumps())
     problems = raised.value.problems
     assert any(p.startswith("config.process[0].train.optimizer: expected one of adafactor, adam, adamw")
                for p in problems)
     assert any(p.startswith("config.process[0].model.qtype: expected one of qfloat8") for p in problems)
-    # hidream is a model fitfinder knows: the job file is fine, the family is refused when probed (below);
+    # omnigen2 is a model fitfinder knows: the job file is fine, the family is refused when probed (below);
     # an unknown arch is a job-file problem (tests/test_models.py).
     assert not any(p.startswith("config.process[0].model.arch") for p in problems)
     with pytest.raises(UserError) as unknown:
-        probe.request_for(tiny_job("flux", {"model.arch": "hidream"}), 4, "sim", None)
-    assert "fitfinder knows model.arch 'hidream' but cannot probe the hidream family yet" in str(unknown.value)
+        probe.request_for(tiny_job("flux", {"model.arch": "omnigen2"}), 4, "sim", None)
+    assert "fitfinder knows model.arch 'omnigen2' but cannot probe the omnigen2 family yet" in str(unknown.value)
 
 
 # -- the probe: each key changes the phases it should, and only those ------------------------------

@@ -10,7 +10,6 @@ import re
 from typing import Any
 
 from fitfinder import jobconfig, models
-from fitfinder.errors import UserError
 from fitfinder.probe.protocol import ProbeRequest, SampleSettings
 
 # Denoising steps of a preview in a probe: each step costs the same memory, so two show the
