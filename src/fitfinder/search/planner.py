@@ -623,11 +623,14 @@ def plan_guided(space: Space, known: Knowledge, guide: Guide) -> Step:
     confirmed by its own probe); the confirmation; and the proof of the winner, each quality knob's next level up
     (as `explain` names it) shown not to fit by a probe, or by dominance from one. Pure, like
     `plan`: the predictions are made again from `known` each time.
+
+    Where the band leaves a rollback or quality point undecided, the probe goes where the
+    estimate itself, read without its band, puts the answer (_likely_step): the likely winner
+    first, confirmed, then its proof. A bisection through points near the limit then costs the
+    probes that prove its answer, not one per level it passes.
     """
     band = guide.band_for(known)
-    view = Knowledge(space, known.limit_bytes)
-    for result in known.results:
-        view.add(result)
+    view = _copy(space, known)
     while True:
         step = plan(space, view)
         if step.point is None:
@@ -639,8 +642,54 @@ def plan_guided(space: Space, known: Knowledge, guide: Guide) -> Step:
         if predicted is None or _contradicted(space, known, predicted):
             if step.purpose == "speed":  # at the best quality: if it fits, it may be the winner
                 return Step(step.point, "confirm", CONFIRM_FACTOR)
-            return Step(step.point, step.purpose)
+            return _likely_step(space, known, view, guide) or Step(step.point, step.purpose)
         view.add(predicted)
+
+
+def _copy(space: Space, known: Knowledge) -> Knowledge:
+    copy = Knowledge(space, known.limit_bytes)
+    for result in known.results:
+        copy.add(result)
+    return copy
+
+
+def _likely_step(space: Space, known: Knowledge, view: Knowledge, guide: Guide) -> Step | None:
+    """The probe that settles most when the band cannot decide: the likely winner's confirmation,
+    else the first step of its proof still to probe; None when the estimate cannot name one.
+
+    The likely winner is where the plan ends when every point it asks for and the band leaves
+    undecided is taken as its estimate says, without the band (_likely_view). Only which point to
+    probe rests on that reading: what the search concludes rests on probes and on predictions
+    outside the band, as everywhere in the guided plan. If the likely winner fits, its proof
+    (each quality knob's next level up) is what the bisection would have ended on; if it does
+    not, or a level up fits, that probe is a result the next reading starts from.
+    """
+    likely, winner = _likely_view(space, view, guide)
+    if winner is None:
+        return None
+    if not known.confirmed(winner):
+        return Step(winner, "confirm", CONFIRM_FACTOR)
+    proof = _unproven_level_up(space, known, likely, winner)
+    return Step(proof, "proof") if proof is not None else None
+
+
+def _likely_view(space: Space, view: Knowledge, guide: Guide) -> tuple[Knowledge, Point | None]:
+    """`view` plus the estimate, read without its band, of each point the plan asks for, until it
+    asks for a measurement: the point it asks to confirm or to time (speed is not estimated) is
+    the likely winner. None when no estimate reads an answer (none, or one a probe disproves)."""
+    likely = _copy(space, view)
+    while True:
+        step = plan(space, likely)
+        if step.point is None:
+            winner = best(space, likely)
+            return likely, winner.point if winner is not None else None
+        if step.purpose == "confirm" or (step.purpose == "speed" and likely.state(step.point) == FIT):
+            return likely, step.point
+        guess = guide.predict(space, step.point, view.limit_bytes, 0.0)
+        if guess is None or _contradicted(space, view, guess):
+            return likely, None
+        guess.extra["purpose"] = "likely"
+        likely.add(guess)
 
 
 def _contradicted(space: Space, known: Knowledge, predicted: Result) -> bool:
@@ -657,14 +706,21 @@ def _proof_step(space: Space, known: Knowledge, view: Knowledge) -> Step:
     if winner is None:
         lightest = space.lightest()
         return Step(None) if known.state(lightest) == NOFIT else Step(lightest, "proof")
-    for row in explain(space, view, winner.point):
+    up = _unproven_level_up(space, known, view, winner.point)
+    return Step(up, "proof") if up is not None else Step(None)
+
+
+def _unproven_level_up(space: Space, known: Knowledge, view: Knowledge, winner: Point) -> Point | None:
+    """The first quality knob `winner` gives up (in `view`) whose next level up no probe in
+    `known` rules out, as that point; None when every one is."""
+    for row in explain(space, view, winner):
         knob = space.by_name[row["knob"]]
         if knob.role != "quality" or row["verdict"] != "given up":
             continue
-        up = _next_up(space, winner.point, knob)
+        up = _next_up(space, winner, knob)
         if known.state(up) != NOFIT:
-            return Step(up, "proof")
-    return Step(None)
+            return up
+    return None
 
 
 def _next_up(space: Space, winner: Point, knob) -> Point:
