@@ -386,6 +386,9 @@ def _seed_escalations(space):
 # Each phase's estimate is its true peak times a random factor within +-ESTIMATE_ERROR, times a
 # per-scenario bias within +-ESTIMATE_BIAS, both seeded. The guide's band starts at the bound of
 # that error (what a calibration would have measured): a true peak lies within it of its estimate.
+# The factor is drawn per phase and the values of the knobs that phase depends on, as the estimate
+# itself is made (probe.estimate.Estimator._phase_key): two points alike on those knobs get the same
+# estimate of that phase, so the same error.
 ESTIMATE_ERROR, ESTIMATE_BIAS = 0.05, 0.03
 BAND = 1 / ((1 - ESTIMATE_ERROR) * (1 - ESTIMATE_BIAS)) - 1  # 8.5%
 
@@ -403,10 +406,12 @@ class ModelledEstimates:
         record = self.grid[self.space.key(point)]
         if record["status"] != "ok":
             return None
-        key = self.space.key(point)
-        return {phase: int(peak * (1 + random.Random(f"{self.scenario}:{key}:{phase}").uniform(
-                    -ESTIMATE_ERROR, ESTIMATE_ERROR)) * (1 + self.bias))
+        return {phase: int(peak * (1 + self._factor(point, phase)) * (1 + self.bias))
                 for phase, peak in record["phases"].items()}
+
+    def _factor(self, point: dict, phase: str) -> float:
+        knobs = tuple(point[k.name] for k in self.space.knobs if phase in k.phases)
+        return random.Random(f"{self.scenario}:{phase}:{knobs}").uniform(-ESTIMATE_ERROR, ESTIMATE_ERROR)
 
 
 def run_guided(space, lookup: Lookup) -> dict | None:

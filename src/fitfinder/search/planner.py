@@ -625,8 +625,8 @@ def plan_guided(space: Space, known: Knowledge, guide: Guide) -> Step:
     `plan`: the predictions are made again from `known` each time.
 
     Where the band leaves a rollback or quality point undecided, the probe goes where the
-    estimate itself, read without its band, puts the answer (_likely_step): the likely winner
-    first, confirmed, then its proof. A bisection through points near the limit then costs the
+    estimate itself, read without its band, puts the answer (_likely_step): the likely winner's
+    proof first, then its confirmation. A bisection through points near the limit then costs the
     probes that prove its answer, not one per level it passes.
     """
     band = guide.band_for(known)
@@ -654,23 +654,26 @@ def _copy(space: Space, known: Knowledge) -> Knowledge:
 
 
 def _likely_step(space: Space, known: Knowledge, view: Knowledge, guide: Guide) -> Step | None:
-    """The probe that settles most when the band cannot decide: the likely winner's confirmation,
-    else the first step of its proof still to probe; None when the estimate cannot name one.
+    """The probe that settles most when the band cannot decide: the first step of the likely
+    winner's proof still to probe, else its confirmation; None when the estimate cannot name one
+    or both are done.
 
     The likely winner is where the plan ends when every point it asks for and the band leaves
     undecided is taken as its estimate says, without the band (_likely_view). Only which point to
     probe rests on that reading: what the search concludes rests on probes and on predictions
-    outside the band, as everywhere in the guided plan. If the likely winner fits, its proof
-    (each quality knob's next level up) is what the bisection would have ended on; if it does
-    not, or a level up fits, that probe is a result the next reading starts from.
+    outside the band, as everywhere in the guided plan. The proof (each quality knob's next level
+    up shown not to fit) is what the bisection would have ended on; it comes before the
+    confirmation because a level up that fits after all changes the likely winner, and a
+    confirmation made before it would be spent on a point that is not the answer. If the likely
+    winner does not fit, that probe too is a result the next reading starts from.
     """
     likely, winner = _likely_view(space, view, guide)
     if winner is None:
         return None
-    if not known.confirmed(winner):
-        return Step(winner, "confirm", CONFIRM_FACTOR)
     proof = _unproven_level_up(space, known, likely, winner)
-    return Step(proof, "proof") if proof is not None else None
+    if proof is not None:
+        return Step(proof, "proof")
+    return Step(winner, "confirm", CONFIRM_FACTOR) if not known.confirmed(winner) else None
 
 
 def _likely_view(space: Space, view: Knowledge, guide: Guide) -> tuple[Knowledge, Point | None]:
@@ -685,11 +688,27 @@ def _likely_view(space: Space, view: Knowledge, guide: Guide) -> tuple[Knowledge
             return likely, winner.point if winner is not None else None
         if step.purpose == "confirm" or (step.purpose == "speed" and likely.state(step.point) == FIT):
             return likely, step.point
-        guess = guide.predict(space, step.point, view.limit_bytes, 0.0)
-        if guess is None or _contradicted(space, view, guess):
+        guess = _likely_reading(space, view, guide, step.point)
+        if guess is None:
             return likely, None
-        guess.extra["purpose"] = "likely"
         likely.add(guess)
+
+
+def _likely_reading(space: Space, view: Knowledge, guide: Guide, point: Point) -> Result | None:
+    """`point` as its estimate says without the band, except where a probe has spoken: a phase
+    that ran under the limit at a point at least as heavy there fits, whatever its estimate
+    (a reading never overrules a measurement). None without an estimate."""
+    estimated = guide.phases(point)
+    if not estimated:
+        return None
+    limit = view.limit_bytes
+    phases = {phase: estimated[phase] for phase in space.phases_run(point) if phase in estimated}
+    for phase in phases:
+        if phases[phase] > limit and _contradicted(space, view, Result(-1, point, "oom", phase=phase)):
+            phases[phase] = limit
+    over = next((phase for phase, peak in phases.items() if peak > limit), None)
+    return Result(trial=-1, point=point, status="ok" if over is None else "oom", phase=over,
+                  peak_bytes=max(phases.values()), phases=phases, extra={"predicted": True, "purpose": "likely"})
 
 
 def _contradicted(space: Space, known: Knowledge, predicted: Result) -> bool:
