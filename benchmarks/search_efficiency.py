@@ -461,7 +461,13 @@ def main() -> None:
     parser.add_argument("--only", help="only scenarios whose job name starts with this")
     parser.add_argument("--verify", type=int, default=0, help="re-run N random points per job under a budget")
     parser.add_argument("--strategies", help="comma-separated, of: " + ", ".join(STRATEGIES) + " [all]")
+    parser.add_argument("--estimate-error", type=float, default=ESTIMATE_ERROR,
+                        help="guided: each phase's modelled estimate error, +- this share (the band stays "
+                             f"at {BAND:.1%}, what calibration measured: a larger error is past the band)")
+    parser.add_argument("--estimate-bias", type=float, default=ESTIMATE_BIAS,
+                        help="guided: the per-scenario bias of the modelled estimates, +- this share")
     args = parser.parse_args()
+    globals().update(ESTIMATE_ERROR=args.estimate_error, ESTIMATE_BIAS=args.estimate_bias)  # ModelledEstimates
     if args.strategies:
         chosen = {"grid", *args.strategies.split(",")}  # the grid is the yardstick of the % column
         for name in [n for n in STRATEGIES if n not in chosen]:
