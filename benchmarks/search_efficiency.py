@@ -17,8 +17,15 @@ seconds the grid measured (an OOM pays up to its failing phase):
 - seeds:     the seeds' manual walk: roll back one move at a time in their order until it fits,
              then re-add one heavier setting at a time (bucket, sampling, batch / clips).
 - fitfinder: fitfinder's own plan (search.plan), confirmation included.
+- guided:    the plan on estimates (search.plan_guided), the estimate's error modelled
+             (ModelledEstimates), confirmation included.
+
+The true optimum is the best quality that fits, and among its points the one fitfinder's own
+tie rule (search.best) picks from the medians of three timings; a strategy found it when its
+winner has that quality and is within SPEED_TIE of the fastest of it.
 
     python benchmarks/search_efficiency.py [--json PATH] [--only flux] [--verify 5]
+        [--strategies fitfinder,guided] [--estimate-error 0.05] [--estimate-bias 0.03]
 """
 
 from __future__ import annotations
