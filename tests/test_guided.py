@@ -53,6 +53,21 @@ def test_guided_by_estimates_with_their_error_it_finds_the_optimum_with_few_prob
     assert len(steps) <= 8  # the plan without estimates: up to 20
 
 
+@pytest.mark.parametrize("budget_mib", list(range(17, 101, 6)))
+def test_where_the_band_cannot_decide_the_likely_winner_is_probed_and_proven_not_each_level(budget_mib):
+    """A band wide enough to leave most points undecided (20%, the estimate within 2%): the plan
+    does not bisect through them one probe a level; it probes the proof of the point the estimate
+    names as the winner, then confirms that winner, and the answer is still the optimum."""
+    space, budget = make_space(), budget_mib * MiB
+    steps, known, proven = run_guided(space, budget, search.Guide(estimates(error=0.02, seed=budget_mib), 0.2))
+    winner = search.best(space, known)
+    assert proven and winner.point == true_optimum(space, budget)
+    assert known.confirmed(winner.point)
+    _proven_by_probes(space, known, winner)
+    assert steps[0][0] in ("proof", "confirm") and "quality" not in [purpose for purpose, _ in steps]
+    assert len(steps) <= 6  # one probe a level, as before: up to 7
+
+
 def test_nothing_fits_is_proven_by_a_probe_of_the_lightest_point():
     space = make_space()
     steps, known, proven = run_guided(space, 5 * MiB, search.Guide(estimates(), 0.05))

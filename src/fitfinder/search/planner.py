@@ -623,11 +623,14 @@ def plan_guided(space: Space, known: Knowledge, guide: Guide) -> Step:
     confirmed by its own probe); the confirmation; and the proof of the winner, each quality knob's next level up
     (as `explain` names it) shown not to fit by a probe, or by dominance from one. Pure, like
     `plan`: the predictions are made again from `known` each time.
+
+    Where the band leaves a rollback or quality point undecided, the probe goes where the
+    estimate itself, read without its band, puts the answer (_likely_step): the likely winner's
+    proof first, then its confirmation. A bisection through points near the limit then costs the
+    probes that prove its answer, not one per level it passes.
     """
     band = guide.band_for(known)
-    view = Knowledge(space, known.limit_bytes)
-    for result in known.results:
-        view.add(result)
+    view = _copy(space, known)
     while True:
         step = plan(space, view)
         if step.point is None:
@@ -639,8 +642,73 @@ def plan_guided(space: Space, known: Knowledge, guide: Guide) -> Step:
         if predicted is None or _contradicted(space, known, predicted):
             if step.purpose == "speed":  # at the best quality: if it fits, it may be the winner
                 return Step(step.point, "confirm", CONFIRM_FACTOR)
-            return Step(step.point, step.purpose)
+            return _likely_step(space, known, view, guide) or Step(step.point, step.purpose)
         view.add(predicted)
+
+
+def _copy(space: Space, known: Knowledge) -> Knowledge:
+    copy = Knowledge(space, known.limit_bytes)
+    for result in known.results:
+        copy.add(result)
+    return copy
+
+
+def _likely_step(space: Space, known: Knowledge, view: Knowledge, guide: Guide) -> Step | None:
+    """The probe that settles most when the band cannot decide: the first step of the likely
+    winner's proof still to probe, else its confirmation; None when the estimate cannot name one
+    or both are done.
+
+    The likely winner is where the plan ends when every point it asks for and the band leaves
+    undecided is taken as its estimate says, without the band (_likely_view). Only which point to
+    probe rests on that reading: what the search concludes rests on probes and on predictions
+    outside the band, as everywhere in the guided plan. The proof (each quality knob's next level
+    up shown not to fit) is what the bisection would have ended on; it comes before the
+    confirmation because a level up that fits after all changes the likely winner, and a
+    confirmation made before it would be spent on a point that is not the answer. If the likely
+    winner does not fit, that probe too is a result the next reading starts from.
+    """
+    likely, winner = _likely_view(space, view, guide)
+    if winner is None:
+        return None
+    proof = _unproven_level_up(space, known, likely, winner)
+    if proof is not None:
+        return Step(proof, "proof")
+    return Step(winner, "confirm", CONFIRM_FACTOR) if not known.confirmed(winner) else None
+
+
+def _likely_view(space: Space, view: Knowledge, guide: Guide) -> tuple[Knowledge, Point | None]:
+    """`view` plus the estimate, read without its band, of each point the plan asks for, until it
+    asks for a measurement: the point it asks to confirm or to time (speed is not estimated) is
+    the likely winner. None when no estimate reads an answer (none, or one a probe disproves)."""
+    likely = _copy(space, view)
+    while True:
+        step = plan(space, likely)
+        if step.point is None:
+            winner = best(space, likely)
+            return likely, winner.point if winner is not None else None
+        if step.purpose == "confirm" or (step.purpose == "speed" and likely.state(step.point) == FIT):
+            return likely, step.point
+        guess = _likely_reading(space, view, guide, step.point)
+        if guess is None:
+            return likely, None
+        likely.add(guess)
+
+
+def _likely_reading(space: Space, view: Knowledge, guide: Guide, point: Point) -> Result | None:
+    """`point` as its estimate says without the band, except where a probe has spoken: a phase
+    that ran under the limit at a point at least as heavy there fits, whatever its estimate
+    (a reading never overrules a measurement). None without an estimate."""
+    estimated = guide.phases(point)
+    if not estimated:
+        return None
+    limit = view.limit_bytes
+    phases = {phase: estimated[phase] for phase in space.phases_run(point) if phase in estimated}
+    for phase in phases:
+        if phases[phase] > limit and _contradicted(space, view, Result(-1, point, "oom", phase=phase)):
+            phases[phase] = limit
+    over = next((phase for phase, peak in phases.items() if peak > limit), None)
+    return Result(trial=-1, point=point, status="ok" if over is None else "oom", phase=over,
+                  peak_bytes=max(phases.values()), phases=phases, extra={"predicted": True, "purpose": "likely"})
 
 
 def _contradicted(space: Space, known: Knowledge, predicted: Result) -> bool:
@@ -657,14 +725,21 @@ def _proof_step(space: Space, known: Knowledge, view: Knowledge) -> Step:
     if winner is None:
         lightest = space.lightest()
         return Step(None) if known.state(lightest) == NOFIT else Step(lightest, "proof")
-    for row in explain(space, view, winner.point):
+    up = _unproven_level_up(space, known, view, winner.point)
+    return Step(up, "proof") if up is not None else Step(None)
+
+
+def _unproven_level_up(space: Space, known: Knowledge, view: Knowledge, winner: Point) -> Point | None:
+    """The first quality knob `winner` gives up (in `view`) whose next level up no probe in
+    `known` rules out, as that point; None when every one is."""
+    for row in explain(space, view, winner):
         knob = space.by_name[row["knob"]]
         if knob.role != "quality" or row["verdict"] != "given up":
             continue
-        up = _next_up(space, winner.point, knob)
+        up = _next_up(space, winner, knob)
         if known.state(up) != NOFIT:
-            return Step(up, "proof")
-    return Step(None)
+            return up
+    return None
 
 
 def _next_up(space: Space, winner: Point, knob) -> Point:
