@@ -245,7 +245,7 @@ def test_speeds_within_the_timing_noise_are_a_tie_won_by_the_most_memory_to_spar
 def test_four_workers_finish_in_under_half_the_time_with_few_more_probes_and_the_same_winners():
     """The plan's own parallelism (benchmarks/scaleout.py, part 2): over the 30 budgets, one
     worker's plan is the plan's, and four workers speculating on each other's pending probes
-    (plan_around) take 2.18x less time than one for at most 1.5x the probes, probing no point
+    (plan_around) take 2.18x less time than one on the flat clock for at most 1.5x the probes, probing no point
     twice and finding the brute-force optimum every time."""
     space = make_space()
     budgets = [mib * MiB for mib in range(11, 101, 3)]
