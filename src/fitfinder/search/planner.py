@@ -336,12 +336,11 @@ def _speculate(space: Space, known: Knowledge, pending: list[Point], first: Poin
         step = plan(space, branch)
         if step.point is None or (step.purpose == "confirm" and not confirming):
             continue  # a confirmation waits for the real results it rests on
-        open_speed = _open_speed(space, branch) if step.purpose == "speed" else []
         if not _among(space, step.point, pending):
             if step.purpose == "speed":
-                return _speed_step(step.point, confirming and open_speed[:1] == [step.point])
+                return _speed_step(step.point, confirming and _open_speed(space, branch)[:1] == [step.point])
             return Step(step.point, step.purpose, step.steps_factor)
-        for rank, point in enumerate(open_speed):
+        for rank, point in enumerate(_open_speed(space, branch) if step.purpose == "speed" else ()):
             if not _among(space, point, pending):
                 return _speed_step(point, confirming and rank == 0)
         if _among(space, step.point, rest):
