@@ -22,6 +22,7 @@
    makes -- counting errors, to back the choice of SQLite as the default for several workers.
 
     python benchmarks/scaleout.py [--workers 1 2 4] [--repeat 1] [--plan-only] [--bound 16]
+                                  [--speculations kary confirm-winner confirm-base] [--clocks flat demo card]
 """
 
 from __future__ import annotations
