@@ -6,18 +6,23 @@
    other down: the speed-up is bounded by the cores, not by the plan. On N GPUs each worker has
    its own card.
 2. The plan's own parallelism, with no cores to share: the stand-in probe of tests/standin.py
-   (memory a known function of 12 knobs, 10,368 points) at 30 budgets, on a clock where a probe
-   takes 1 and a confirmation 3, as N GPUs would run it: time to the end and probes, summed,
-   for the workers' speculation before (plan_around's "halving": depth-first, the fit branch
-   first) and now ("kary": best-first over the pending outcomes, the speed climb's open levels
-   at once, the likely winner confirmed while the last speed probes run), each winner checked
-   against the brute-force optimum; then the time per scenario, and with --bound N the time N
-   workers take (what the plan's chain allows however many workers there are).
+   (memory a known function of 12 knobs, 10,368 points) at 30 budgets, as N GPUs would run it,
+   on three clocks (tests.standin.probe_time): "flat", a probe takes 1 and a confirmation 3
+   whatever happens (the clock before); "demo" and "card", what the recipe runs before the
+   probe ends (an OOM ends it in its phase, in training at the first or middle step), with the
+   phases' shares of the demo's own probe, or of a card whose load is as long as the training.
+   Time to the end and probes, summed, for today's speculation ("kary": best-first over the
+   pending outcomes, the speed climb's open levels at once, the likely winner confirmed while
+   the last speed probes run) and the two that start confirmations on guesses
+   ("confirm-winner", "confirm-base"), each winner checked against the brute-force optimum;
+   then the time per scenario, and with --bound N the time N workers take (what the plan's
+   chain allows however many workers there are).
 3. The storage: N processes each claiming and recording trials as fast as they can (no probe in
    between) on one SQLite study with heartbeats -- far more writes per second than a search ever
    makes -- counting errors, to back the choice of SQLite as the default for several workers.
 
     python benchmarks/scaleout.py [--workers 1 2 4] [--repeat 1] [--plan-only] [--bound 16]
+                                  [--speculations kary confirm-winner confirm-base] [--clocks flat demo card]
 """
 
 from __future__ import annotations
@@ -111,10 +116,11 @@ def stress_sqlite(writers: int, per_writer: int, lock: bool = True) -> dict:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-SPECULATIONS = ("halving", "kary")  # plan_around before issue 17 item 4, and now
+SPECULATIONS = ("kary", "confirm-winner", "confirm-base")  # today's plan_around, and the two measured against it
+CLOCKS = ("flat", "demo", "card")  # tests.standin.CLOCKS: before (1 a probe, 3 a confirmation), and the recipe's
 
 
-def plan_parallelism(counts: list[int], speculation: str = "kary") -> list[dict]:
+def plan_parallelism(counts: list[int], speculation: str = "kary", clock: str = "flat") -> list[dict]:
     """Per worker count: total time and probes over the 30 budgets, the time per budget, and
     whether every winner is the brute-force optimum and no point was probed twice."""
     from tests.standin import MiB, make_space, simulate_workers, true_optimum
@@ -124,39 +130,48 @@ def plan_parallelism(counts: list[int], speculation: str = "kary") -> list[dict]
     for workers in sorted(set(counts)):
         runs, right, once = [], True, True
         for budget in BUDGETS:
-            seconds, probed, winner = simulate_workers(space, budget * MiB, workers, speculation)
+            seconds, probed, winner = simulate_workers(space, budget * MiB, workers, speculation, clock)
             runs.append((seconds, len(probed)))
             right &= (winner.point if winner else None) == true_optimum(space, budget * MiB)
             keys = [(purpose == "confirm", space.key(point)) for purpose, point in probed]
             once &= len(keys) == len(set(keys))
-        rows.append({"workers": workers, "speculation": speculation, "time": sum(t for t, _ in runs),
-                     "probes": sum(n for _, n in runs), "per_budget": [t for t, _ in runs],
-                     "optimum_every_time": right, "no_point_twice": once})
+        rows.append({"workers": workers, "speculation": speculation, "clock": clock,
+                     "time": round(sum(t for t, _ in runs), 4), "probes": sum(n for _, n in runs),
+                     "per_budget": [round(t, 4) for t, _ in runs], "optimum_every_time": right, "no_point_twice": once})
     return rows
 
 
 BUDGETS = range(11, 101, 3)  # MiB: tests/test_plan.py's
 
 
-def print_plan(counts: list[int], bound: list[int]) -> dict:
-    print("\nthe plan alone (stand-in probe, 30 budgets; a probe takes 1, a confirmation 3)")
-    print(f"{'speculation':>12}{'workers':>8}{'time':>8}{'speed-up':>10}{'probes':>8}{'probes/1':>10}  winners")
+def print_plan(counts: list[int], bound: list[int], speculations=SPECULATIONS, clocks=CLOCKS) -> dict:
+    """Per clock, each speculation's time and probes against one worker's (the plan itself, the
+    same for every speculation: measured once); then the time per budget of today's plan."""
+    print("\nthe plan alone (stand-in probe, 30 budgets); clocks: flat = a probe takes 1, a confirmation 3;"
+          "\ndemo, card = what the recipe runs before the probe ends, a short probe to its end taking 1")
+    print(f"{'clock':>6}{'speculation':>16}{'workers':>8}{'time':>9}{'speed-up':>10}{'probes':>8}{'probes/1':>10}"
+          "  winners")
     plans = {}
-    for speculation in SPECULATIONS:
-        plans[speculation] = rows = plan_parallelism(counts, speculation)
-        for row in rows:
-            verdict = "optimum, none twice" if row["optimum_every_time"] and row["no_point_twice"] else "WRONG"
-            print(f"{speculation:>12}{row['workers']:>8}{row['time']:>8.0f}{rows[0]['time'] / row['time']:>9.2f}x"
-                  f"{row['probes']:>8}{row['probes'] / rows[0]['probes']:>9.2f}x  {verdict}")
-    bounds = plan_parallelism(bound, "kary") if bound else []
-    for row in bounds:
-        print(f"{'kary':>12}{row['workers']:>8}{row['time']:>8.0f}"
-              f"{plans['kary'][0]['time'] / row['time']:>9.2f}x{row['probes']:>8}  (the bound: many workers)")
-    print("\ntime per budget (MiB), kary speculation; the first row is one worker")
-    print(f"{'workers':>8}  " + " ".join(f"{b:>3}" for b in BUDGETS))
-    for row in plans["kary"] + bounds:
-        print(f"{row['workers']:>8}  " + " ".join(f"{t:>3.0f}" for t in row["per_budget"]))
-    return {**plans, "bound": bounds}
+    for clock in clocks:
+        alone = plan_parallelism([1], "kary", clock)[0]  # one worker: plan_around is plan
+        for speculation in speculations:
+            rows = [{**alone, "speculation": speculation}]
+            rows += plan_parallelism([c for c in counts if c > 1], speculation, clock)
+            rows += [{**row, "bound": True} for row in plan_parallelism(bound, speculation, clock)
+                     if speculation == "kary"]
+            plans[f"{clock}/{speculation}"] = rows
+            for row in rows:
+                verdict = "optimum, none twice" if row["optimum_every_time"] and row["no_point_twice"] else "WRONG"
+                print(f"{clock:>6}{speculation:>16}{row['workers']:>8}{row['time']:>9.2f}"
+                      f"{alone['time'] / row['time']:>9.2f}x{row['probes']:>8}"
+                      f"{row['probes'] / alone['probes']:>9.2f}x  {verdict}"
+                      + ("  (the bound: many workers)" if row.get("bound") else ""))
+    for clock in clocks:
+        print(f"\ntime per budget (MiB), kary speculation, {clock} clock; the first row is one worker")
+        print(f"{'workers':>8}  " + " ".join(f"{b:>4}" for b in BUDGETS))
+        for row in plans[f"{clock}/kary"]:
+            print(f"{row['workers']:>8}  " + " ".join(f"{t:>4.1f}" for t in row["per_budget"]))
+    return plans
 
 
 def main() -> None:
@@ -170,9 +185,15 @@ def main() -> None:
                         help="only the plan's own parallelism (seconds, no probes, no SQLite)")
     parser.add_argument("--bound", type=int, nargs="*", default=[],
                         help="also these worker counts for the plan, to show what its chain allows")
+    parser.add_argument("--speculations", nargs="+", default=list(SPECULATIONS),
+                        help="plan_around's speculations to compare (also: halving, the one before kary)")
+    parser.add_argument("--clocks", nargs="+", default=list(CLOCKS),
+                        help="the stand-in's clocks (tests.standin.CLOCKS)")
     args = parser.parse_args()
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} (the plan's figures are a simulated clock:"
+          " load moves only part 1 and 3)")
     if args.plan_only:
-        plan = print_plan(args.workers + [8], args.bound)
+        plan = print_plan(args.workers + [8], args.bound, args.speculations, args.clocks)
         if args.json:  # the other parts' figures, from their last full run, are kept
             figures = json.loads(args.json.read_text()) if args.json.exists() else {}
             args.json.write_text(json.dumps({**figures, "plan": plan}, indent=2) + "\n")
@@ -194,7 +215,7 @@ def main() -> None:
     same = all(row["best"] == rows[0]["best"] for row in rows)
     print(f"same winner for every run: {'yes' if same else 'NO'}")
 
-    plan = print_plan(args.workers + [8], args.bound)
+    plan = print_plan(args.workers + [8], args.bound, args.speculations, args.clocks)
 
     stress = [stress_sqlite(n, 60, lock) for lock in (False, True) for n in (1, 4, 8)]
     print("\nSQLite with heartbeats, writers claiming and recording trials back to back")

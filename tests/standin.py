@@ -70,6 +70,75 @@ def phase_peaks(point: dict) -> dict[str, int]:
     return {p: int(peaks[p] * MiB) for p in order if p in peaks}
 
 
+def optimizer_state(point: dict) -> float:
+    """The optimizer's state for the LoRA, in MiB (part of the train peak above)."""
+    return point.get("rank", 32) / 32 * (2 if point.get("optimizer", "adamw") == "adamw" else 0.5)
+
+
+def first_step_peak(point: dict) -> int:
+    """The train phase's peak at its first step: the heaviest shape before the optimizer has any
+    state (recipe.py `_train`: the optimizer first steps at the end of step 0)."""
+    return phase_peaks(point)["train"] - int(optimizer_state(point) * MiB)
+
+
+# The share of a probe's time each phase takes: the demo's own probe, `fitfinder probe
+# configs/demo.yaml --vram 1GiB --json` (phase_stats seconds, 20 steps, sim meter, 2026-12-01):
+# load 0.76 s, text encoders 0.15, latents 0.18, first preview 0.17, train 11.43, last preview 0.10.
+DEMO_SHARES = {"load": 0.060, "text_encoder": 0.012, "latents": 0.014, "sample": 0.013, "train": 0.893,
+               "last_sample": 0.008}
+# A card loading a large model from disk: loading as long as the 20 training steps (a FLUX.1-dev
+# probe on a card is "a model load plus a short training", issue 17).
+CARD_SHARES = {"load": 0.40, "text_encoder": 0.04, "latents": 0.04, "sample": 0.06, "train": 0.40,
+               "last_sample": 0.06}
+CLOCKS = {"flat": None, "demo": DEMO_SHARES, "card": CARD_SHARES}
+
+
+def probe_time(point: dict, budget: int, steps_factor: int = 1, shares: dict | None = DEMO_SHARES) -> float:
+    """How long the probe of `point` runs, a short probe that runs to its end taking 1: what the
+    recipe runs before it ends (recipe.py `_recipe`, `_train`, `shape_schedule`).
+
+    The phases before training take what they take whatever the steps; training takes its steps
+    (`steps_factor` times a short probe's). An OOM ends the probe where it happens: in a phase
+    before training, at its end (charged whole); in training, at `failing_step`. So a
+    confirmation that runs out of memory costs what the short probe of its point costs when
+    that runs out. shares=None is the flat clock: 1 a probe, 3 a confirmation, whatever happens.
+    """
+    if shares is None:
+        return float(steps_factor)
+    ran = outcome(point, budget)
+    elapsed = 0.0
+    for phase in ran["phases"]:
+        if phase != "train":
+            elapsed += shares[phase]
+            continue
+        if ran["phase"] != "train":
+            elapsed += shares["train"] * steps_factor
+            continue
+        steps = 20 * steps_factor  # the probe's steps: settings.probe_steps, 20 by default
+        elapsed += shares["train"] * steps_factor * (failing_step(point, budget, steps) + 1) / steps
+    return round(elapsed, 6)
+
+
+EFFECTIVE_BATCH = 4  # JOB's batch_size x gradient_accumulation: space.apply keeps it (accumulation = 4 / batch)
+
+
+def failing_step(point: dict, budget: int, steps: int) -> int:
+    """The training step a probe of `steps` steps runs out of memory at (recipe.py `_train`, over
+    `shape_schedule`): the first, if the heaviest shape alone does not fit; else the first step
+    after the optimizer's first update (every `accumulation` micro-steps, and before the middle
+    step) that meets the heaviest shape again -- the schedule cycles through every shape, the
+    heaviest included, between its first, middle and last step. The same step in a short probe
+    and in its confirmation, as long as it comes before the short probe's middle step."""
+    from fitfinder.probe.recipe import shape_schedule
+
+    if first_step_peak(point) > budget:
+        return 0
+    accumulation = max(1, EFFECTIVE_BATCH // point.get("batch", 1))
+    first_update = min(accumulation - 1, steps // 2 - 1)
+    schedule = shape_schedule([[int(side), 1] for side in str(point.get("buckets", "1024")).split(",")], steps)
+    return next(step for step in range(first_update + 1, steps) if schedule[step] == schedule[0])
+
+
 def seconds_per_step(point: dict) -> float:
     batch = point.get("batch", 1)
     slow = (1.35 if point.get("gradient_checkpointing", True) else 1.0) * (1.5 if point.get("low_vram") else 1.0)
@@ -118,14 +187,16 @@ def true_optimum(space: spaces.Space, budget: int, margin: float = 0.05):
     return min(ties, key=lambda p: (outcome(p, budget)["peak_bytes"], seconds_per_step(p) / p.get("batch", 1)))
 
 
-def simulate_workers(space: spaces.Space, budget: int, workers: int, speculation: str = "kary"):
-    """Workers sharing one plan, on a clock where a probe takes 1 and a confirmation 3: each free
-    worker asks plan_around (with `speculation`) for a point nobody probes yet. Returns (time to
-    the end, the probed (purpose, point) list, the winner)."""
+def simulate_workers(space: spaces.Space, budget: int, workers: int, speculation: str = "kary",
+                     clock: str = "flat"):
+    """Workers sharing one plan: each free worker asks plan_around (with `speculation`) for a
+    point nobody probes yet. On the "flat" clock a probe takes 1 and a confirmation 3 whatever
+    happens; on "demo" and "card" each takes what its recipe runs before it ends (probe_time).
+    Returns (time to the end, the probed (purpose, point) list, the winner)."""
     import heapq
 
     known = search.Knowledge(space, int(budget * 0.95))
-    clock, events, pending, probed, idle, number = 0.0, [], [], [], list(range(workers)), 0
+    now, events, pending, probed, idle, number = 0.0, [], [], [], list(range(workers)), 0
     while True:
         while idle:
             step = search.plan_around(space, known, [point for _, point in pending], speculation=speculation)
@@ -133,12 +204,13 @@ def simulate_workers(space: spaces.Space, budget: int, workers: int, speculation
                 break
             idle.pop()
             number += 1
-            heapq.heappush(events, (clock + (3.0 if step.purpose == "confirm" else 1.0), number, step))
+            duration = probe_time(step.point, budget, step.steps_factor, CLOCKS[clock])
+            heapq.heappush(events, (now + duration, number, step))
             pending.append((number, step.point))
             probed.append((step.purpose, step.point))
         if not events:
-            return clock, probed, search.best(space, known)
-        clock, done, step = heapq.heappop(events)
+            return now, probed, search.best(space, known)
+        now, done, step = heapq.heappop(events)
         pending = [(n, p) for n, p in pending if n != done]
         known.add(search.result_from_probe(done, step, outcome(step.point, budget)))
         idle.append(done)

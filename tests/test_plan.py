@@ -8,7 +8,8 @@ import pytest
 
 from fitfinder import search
 from fitfinder.search import planner
-from tests.standin import MiB, JOB, make_space, outcome, run_plan, simulate_workers, true_optimum
+from tests.standin import (DEMO_SHARES, JOB, MiB, failing_step, first_step_peak, make_space, outcome, probe_time,
+                           run_plan, simulate_workers, true_optimum)
 
 
 def _changed(space, before, after):
@@ -244,7 +245,7 @@ def test_speeds_within_the_timing_noise_are_a_tie_won_by_the_most_memory_to_spar
 def test_four_workers_finish_in_under_half_the_time_with_few_more_probes_and_the_same_winners():
     """The plan's own parallelism (benchmarks/scaleout.py, part 2): over the 30 budgets, one
     worker's plan is the plan's, and four workers speculating on each other's pending probes
-    (plan_around) take 2.18x less time than one for at most 1.5x the probes, probing no point
+    (plan_around) take 2.18x less time than one on the flat clock for at most 1.5x the probes, probing no point
     twice and finding the brute-force optimum every time."""
     space = make_space()
     budgets = [mib * MiB for mib in range(11, 101, 3)]
@@ -257,3 +258,51 @@ def test_four_workers_finish_in_under_half_the_time_with_few_more_probes_and_the
         keys = [(purpose == "confirm", space.key(point)) for purpose, point in probed]
         assert len(keys) == len(set(keys))
         assert (winner.point if winner else None) == true_optimum(space, budget)
+
+
+def test_the_recipe_meets_its_heaviest_shape_at_the_same_steps_in_a_probe_and_a_confirmation():
+    """What the stand-in's clock (probe_time, failing_step) rests on: shape_schedule starts with
+    the heaviest bucket and cycles through every bucket, the heaviest included, so a probe and
+    its confirmation (3x the steps) meet it at the same steps until the short one's middle: one
+    that runs out of memory does so at the same step in both."""
+    from fitfinder.probe.recipe import shape_schedule
+
+    shapes = [[512, 1], [1024, 1], [768, 1]]
+    short, long = shape_schedule(shapes, 20), shape_schedule(shapes, 60)
+    assert short[:10] == long[:10]
+    assert [step for step in range(10) if short[step] == (1024, 1)] == [0, 3, 6, 9]
+    assert short[10] == short[19] == long[30] == long[59] == (1024, 1)  # and at the middle and last step
+
+
+def test_a_confirmation_that_runs_out_of_memory_costs_what_the_short_probe_of_its_point_costs():
+    space = make_space()
+    desired, budget = space.desired(), 30 * MiB
+    assert outcome(desired, budget)["phase"] == "load"  # 24 + 9 + 1 MiB of weights and encoders
+    assert probe_time(desired, budget, 3) == probe_time(desired, budget, 1) == DEMO_SHARES["load"]
+    light = {**desired, "quantize": "4bit", "low_vram": True, "text_encoder": "cache", "sampling": False}
+    at_first_step = {**light, "gradient_checkpointing": False, "batch": 4}
+    budget = 40 * MiB
+    assert outcome(at_first_step, budget)["phase"] == "train" and first_step_peak(at_first_step) > budget
+    assert failing_step(at_first_step, budget, 20) == 0
+    assert probe_time(at_first_step, budget, 3) == probe_time(at_first_step, budget, 1) < 0.2
+    with_state = {**light, "batch": 1}  # accumulation 4: the optimizer's state exists from step 4
+    budget = int((first_step_peak(with_state) + outcome(with_state, 100 * MiB)["phases"]["train"]) / 2)
+    assert outcome(with_state, budget)["phase"] == "train" and first_step_peak(with_state) <= budget
+    assert failing_step(with_state, budget, 20) == failing_step(with_state, budget, 60) == 6
+    assert probe_time(with_state, budget, 3) == probe_time(with_state, budget, 1) < 0.5
+    sampling = {**light, "sampling": True}  # every phase runs
+    assert probe_time(sampling, 100 * MiB, 1) == pytest.approx(1) and 2.7 < probe_time(sampling, 100 * MiB, 3) < 2.9
+    assert probe_time(desired, budget, 3, shares=None) == 3  # the flat clock: whatever happens
+
+
+@pytest.mark.parametrize("speculation", ["confirm-winner", "confirm-base"])
+@pytest.mark.parametrize("budget_mib", [20, 50, 95])
+def test_workers_confirming_on_guesses_find_the_optimum_and_probe_no_point_twice(speculation, budget_mib):
+    space = make_space()
+    budget = budget_mib * MiB
+    _, probed, winner = simulate_workers(space, budget, 4, speculation, clock="demo")
+    keys = [(purpose == "confirm", space.key(point)) for purpose, point in probed]
+    assert len(keys) == len(set(keys))
+    assert winner.point == true_optimum(space, budget)
+    if speculation == "confirm-base":
+        assert ("confirm", space.desired()) in probed

@@ -214,6 +214,9 @@ def plan(space: Space, known: Knowledge) -> Step:
     return Step(None, decided=decided)
 
 
+SPECULATIONS = ("halving", "kary", "confirm-winner", "confirm-base")
+
+
 def plan_around(space: Space, known: Knowledge, pending: list[Point], depth: int = 3,
                 speculation: str = "kary") -> Step:
     """The next point for one more worker while `pending` points are being probed by others.
@@ -236,22 +239,27 @@ def plan_around(space: Space, known: Knowledge, pending: list[Point], depth: int
     The speculation only picks *which* point to probe; every result the search learns from is a
     real one, and a point being probed is never planned again. Step(None) with points pending
     means "wait for them". speculation="halving" is the earlier depth-first walk, the fit branch
-    first (_plan_around_halving), kept to measure against in benchmarks/scaleout.py.
+    first (_plan_around_halving); "confirm-winner" and "confirm-base" start confirmations on
+    guesses (_speed_step, _base_confirmation). All three are kept to measure against in
+    benchmarks/scaleout.py, where neither confirming one beats "kary" (docs/scaleout.md).
     """
     if speculation == "halving":
         return _plan_around_halving(space, known, pending, depth)
-    if speculation != "kary":
-        raise ValueError(f"speculation must be 'kary' or 'halving' but got {speculation!r}")
+    if speculation not in SPECULATIONS:
+        raise ValueError(f"speculation must be one of {SPECULATIONS} but got {speculation!r}")
     step = plan(space, known)
     if step.point is None or not _among(space, step.point, pending):
         return step
     if step.purpose == "confirm":
         return Step(None)  # the winner is being confirmed: nothing is left to plan on
+    if speculation == "confirm-base" and step.purpose == "base":
+        return _base_confirmation(space, step.point, pending)
+    confirming = speculation == "confirm-winner"
     speed_stage = step.purpose == "speed"
-    for point in _open_speed(space, known) if speed_stage else ():
+    for rank, point in enumerate(_open_speed(space, known) if speed_stage else ()):
         if not _among(space, point, pending):
-            return Step(point, "speed")
-    guess = _speculate(space, known, pending, step.point, 0.5 ** depth)
+            return _speed_step(point, confirming and rank == 0)
+    guess = _speculate(space, known, pending, step.point, 0.5 ** depth, confirming)
     if guess.point is None and speed_stage:
         leader = best(space, known)
         if leader is not None and not known.confirmed(leader.point) and not _among(space, leader.point, pending):
@@ -277,13 +285,33 @@ def _plan_around_halving(space: Space, known: Knowledge, pending: list[Point], d
     return Step(None)
 
 
-def _speculate(space: Space, known: Knowledge, pending: list[Point], first: Point, least_odds: float) -> Step:
+def _base_confirmation(space: Space, desired: Point, pending: list[Point]) -> Step:
+    """The desired point's confirmation beside its base probe ("confirm-base"): if the job fits as
+    written the search ends with it. A point pending twice is the base and its confirmation
+    (pending points carry no purpose): then there is nothing to add."""
+    key = space.key(desired)
+    if sum(space.key(point) == key for point in pending) > 1:
+        return Step(None)
+    return Step(desired, "confirm", CONFIRM_FACTOR)
+
+
+def _speed_step(point: Point, confirm: bool) -> Step:
+    """A speed setting to probe beside others; with `confirm` ("confirm-winner": the heaviest one
+    still open, the likeliest winner) as a confirmation at once, so that if it fits and wins the
+    search need not wait for a confirmation after it."""
+    return Step(point, "confirm", CONFIRM_FACTOR) if confirm else Step(point, "speed")
+
+
+def _speculate(space: Space, known: Knowledge, pending: list[Point], first: Point, least_odds: float,
+               confirming: bool = False) -> Step:
     """The likeliest point that a branch of the pending outcomes needs and nobody probes yet.
 
     Best-first over the tree of guesses: a branch is `known` plus a guessed outcome of each
     pending point the plan asked for on the way, as likely as its guesses together (a fit and a
     failure even odds, a failure only in a phase where it would contradict no result). Branches
     less likely than `least_odds` are not searched. Step(None) if no branch needs a new point.
+    With `confirming` ("confirm-winner") a branch's confirmation is taken too, and its heaviest
+    open speed setting is probed as a confirmation.
     """
     import heapq
 
@@ -306,13 +334,15 @@ def _speculate(space: Space, known: Knowledge, pending: list[Point], first: Poin
             break
         branch = _with_guess(space, before, guess, "ok" if failed_in is None else "oom", failed_in)
         step = plan(space, branch)
-        if step.point is None or step.purpose == "confirm":
+        if step.point is None or (step.purpose == "confirm" and not confirming):
             continue  # a confirmation waits for the real results it rests on
         if not _among(space, step.point, pending):
+            if step.purpose == "speed":
+                return _speed_step(step.point, confirming and _open_speed(space, branch)[:1] == [step.point])
             return Step(step.point, step.purpose, step.steps_factor)
-        for point in _open_speed(space, branch) if step.purpose == "speed" else ():
+        for rank, point in enumerate(_open_speed(space, branch) if step.purpose == "speed" else ()):
             if not _among(space, point, pending):
-                return Step(point, "speed")
+                return _speed_step(point, confirming and rank == 0)
         if _among(space, step.point, rest):
             branch_on(branch, rest, step.point, -minus_odds)
     return Step(None)
