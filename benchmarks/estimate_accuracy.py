@@ -76,6 +76,13 @@ ACCURACY_CONFIGS: list[tuple[str, dict]] = [
     ("wan22", {"train.dtype": "bf16", "train.optimizer": "adamw8bit"}),
     ("wan22", {"train.gradient_checkpointing": False, "train.unload_text_encoder": True}),
     ("wan22", {"model.quantize": True, "train.batch_size": 2}),
+    # AI Toolkit's block swap (model.layer_offloading): every layer, then a share of them, 8-bit.
+    ("wan21", {"model.layer_offloading": True}),
+    ("wan21", {"model.layer_offloading": True, "model.layer_offloading_transformer_percent": 0.5,
+               "model.layer_offloading_text_encoder_percent": 0.25, "model.quantize": True,
+               "train.gradient_accumulation": 2}),
+    ("wan22", {"model.layer_offloading": True, "train.gradient_checkpointing": False,
+               "train.unload_text_encoder": True}),
 ]
 
 
