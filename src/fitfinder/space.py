@@ -530,7 +530,10 @@ def _layer_offloading(job: JobFile, override: list | None, video: bool) -> Knob 
     values = [float(v) for v in values]
     return Knob("layer_offloading", "speed", tuple(sorted(set(values), reverse=True)), desired,
                 ("model.layer_offloading", "model.layer_offloading_transformer_percent",
-                 "model.layer_offloading_text_encoder_percent"), _ALL)
+                 "model.layer_offloading_text_encoder_percent"), _ALL,
+                # The rings keep the text encoder's last copies through the VAE-only latents pass,
+                # where less offloading of the encoder can leave less on the device.
+                unordered=frozenset({"latents"}))
 
 
 def _apply_layer_offloading(job: JobFile, share: float, space: Space) -> None:
