@@ -531,9 +531,12 @@ def _layer_offloading(job: JobFile, override: list | None, video: bool) -> Knob 
     return Knob("layer_offloading", "speed", tuple(sorted(set(values), reverse=True)), desired,
                 ("model.layer_offloading", "model.layer_offloading_transformer_percent",
                  "model.layer_offloading_text_encoder_percent"), _ALL,
-                # The rings keep the text encoder's last copies through the VAE-only latents pass,
-                # where less offloading of the encoder can leave less on the device.
-                unordered=frozenset({"latents"}))
+                # Only the load is lighter for sure: after it, the device's rings hold copies of the
+                # last offloaded layers (dequantized: twice an 8-bit weight), through the VAE-only
+                # latents pass too, and the layers' autograd function saves every input, which
+                # without checkpointing can outweigh the weights that went to the host (a Wan clip
+                # of 81 frames: 335 MB of input against 141 MB of weight per FFN layer).
+                unordered=_ALL - {"load"})
 
 
 def _apply_layer_offloading(job: JobFile, share: float, space: Space) -> None:
