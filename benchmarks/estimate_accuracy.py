@@ -1,6 +1,6 @@
 """How close `fitfinder estimate` is to the sim meter, and what a full-size estimate costs.
 
-1. Accuracy. Tiny jobs of every family (flux, sdxl, wan21, wan22) in 32 configurations, each
+1. Accuracy. Tiny jobs of every family (flux, sdxl, wan21, wan22) in 35 configurations, each
    run twice in fresh processes: probed with the sim meter (real tensors, real computation,
    SIM_STEPS training steps and two denoising steps per preview, as a probe runs) and estimated
    (fake tensors, the estimate's one primed step and one denoising step). The table gives each

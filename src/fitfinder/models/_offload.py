@@ -35,6 +35,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 # manager.py's LINEAR_MODULES, without OstrisLinear (see above).
 LINEAR_CLASSES = ("Linear", "LoRACompatibleLinear", "QLinear")
@@ -155,19 +156,22 @@ def staged(tensor: torch.Tensor | None, meter, dtype: torch.dtype) -> torch.Tens
     crosses in its own bytes and is dequantized there to `dtype`; a plain one keeps its dtype."""
     if tensor is None:
         return None
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
     if not is_traceable_wrapper_subclass(tensor):
         return tensor.to(meter.device, copy=True)
     if meter.kind == "cuda":
-        crossed = tensor.to(meter.device)
+        weight = tensor.to(meter.device).dequantize()
     else:  # the sim meter and the estimate count the quantized bytes crossing, then the dequantized weight
-        from fitfinder.probe.meter import inner_tensors
-
-        crossed = [inner.clone() for inner in inner_tensors(tensor)]
-    weight = tensor.dequantize() if meter.kind != "cuda" else crossed.dequantize()
-    del crossed
+        crossed = [inner.clone() for inner in _inner_tensors(tensor)]
+        weight = tensor.dequantize()
+        del crossed
     return weight if weight.dtype == dtype else weight.to(dtype)
+
+
+def _inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors a quantized weight (a tensor subclass, such as quanto's) holds its bytes in."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    return [inner for name in tensor.__tensor_flatten__()[0] for inner in _inner_tensors(getattr(tensor, name))]
 
 
 class _Bounce(torch.autograd.Function):
