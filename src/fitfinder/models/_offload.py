@@ -21,6 +21,9 @@ toolkit/config_modules.py ModelConfig), after the part is loaded and quantized:
 - The backward copies the weight again into a second ring of the same depth. The autograd function
   saves the layer's input on the device whatever needs a gradient (a plain frozen linear would not).
 - `MemoryManager.free` (toolkit/unloader.py, cached text embeddings) drops the device's rings.
+- With layer_offloading, ModelConfig turns `qfloat8` into torchao's `float8` (config_modules.py);
+  the probe runs torchao's 8-bit names as quanto's of the same bytes (models._weights.quantize),
+  so nothing changes there.
 
 What the probe does differently: it picks the layers evenly instead of at random (every layer
 where round-down(k * percent) steps up: the same share, the same from run to run, so the estimate
