@@ -1,6 +1,6 @@
 """How close `fitfinder estimate` is to the sim meter, and what a full-size estimate costs.
 
-1. Accuracy. Tiny jobs of every family (flux, sdxl, wan21, wan22) in 32 configurations, each
+1. Accuracy. Tiny jobs of every family (flux, sdxl, wan21, wan22) in 35 configurations, each
    run twice in fresh processes: probed with the sim meter (real tensors, real computation,
    SIM_STEPS training steps and two denoising steps per preview, as a probe runs) and estimated
    (fake tensors, the estimate's one primed step and one denoising step). The table gives each
@@ -76,6 +76,13 @@ ACCURACY_CONFIGS: list[tuple[str, dict]] = [
     ("wan22", {"train.dtype": "bf16", "train.optimizer": "adamw8bit"}),
     ("wan22", {"train.gradient_checkpointing": False, "train.unload_text_encoder": True}),
     ("wan22", {"model.quantize": True, "train.batch_size": 2}),
+    # AI Toolkit's block swap (model.layer_offloading): every layer, then a share of them, 8-bit.
+    ("wan21", {"model.layer_offloading": True}),
+    ("wan21", {"model.layer_offloading": True, "model.layer_offloading_transformer_percent": 0.5,
+               "model.layer_offloading_text_encoder_percent": 0.25, "model.quantize": True,
+               "train.gradient_accumulation": 2}),
+    ("wan22", {"model.layer_offloading": True, "train.gradient_checkpointing": False,
+               "train.unload_text_encoder": True}),
 ]
 
 

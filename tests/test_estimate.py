@@ -69,7 +69,7 @@ def test_the_meter_counts_real_tensors_made_where_values_are_needed():
 
 # -- against the sim meter ---------------------------------------------------------------------
 @pytest.mark.slow
-def test_every_phase_of_32_tiny_configurations_matches_the_sim_meter(runner):
+def test_every_phase_of_35_tiny_configurations_matches_the_sim_meter(runner):
     bench = _benchmark()
     rows = bench.measure_accuracy(bench.ACCURACY_CONFIGS, runner)
     families = {row["config"]: row["family"] for row in rows}

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from fitfinder import models, probe
-from fitfinder.probe.request import _preview_size
+from fitfinder.probe.request import _preview_size, layer_offloading
 from tests.conftest import tiny_job
 
 MiB = 2**20
@@ -206,3 +206,136 @@ def test_a_preview_in_the_middle_of_an_accumulation_holds_the_gradients(run_tiny
     lora = sum(p.numel() * 4 for p in pipe.trainable_parameters(["transformer"]))
     assert all(p.dtype == torch.float32 for p in pipe.trainable_parameters(["transformer"]))
     assert steps["phases"]["last_sample"] - inside["phases"]["last_sample"] == lora
+
+
+# -- item 10: layer offloading (AI Toolkit's MemoryManager block swap) -----------------------------
+OFFLOAD = {"train.gradient_checkpointing": True, "model.layer_offloading": True}
+
+
+def _offloaded_blocks(share: float, blocks: int = 8, width: int = 256):
+    """Peak live bytes of a checkpointed forward and backward through `blocks` MLP blocks (a LoRA
+    on every Linear) with `share` of the layers offloaded, and the bytes of the offloaded weights."""
+    import torch
+    from peft import LoraConfig, inject_adapter_in_model
+    from torch.utils.checkpoint import checkpoint
+
+    from fitfinder.models import _offload
+    from fitfinder.probe import meter as meters
+
+    class Mlp(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+        def forward(self, x):
+            return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+    torch.manual_seed(0)
+    stack = torch.nn.ModuleList(Mlp() for _ in range(blocks)).to(torch.bfloat16).requires_grad_(False)
+    meter = meters.SimMeter(None)
+    with meter.tracker:
+        meter.register(stack)
+        rings = _offload.Rings(_offload.ring_depth())
+        _offload.attach(stack, share, meter, rings)
+        stack = inject_adapter_in_model(LoraConfig(r=8, target_modules=["up", "down"]), stack)
+        meter.register(stack)
+        x = torch.randn(4, 512, width, dtype=torch.bfloat16, requires_grad=True)
+        meter.tracker.peak_bytes = meter.tracker.live_bytes
+        y = x
+        for block in stack:
+            y = checkpoint(block, y, use_reentrant=False)
+        y.float().square().mean().backward()
+        peak = meter.tracker.peak_bytes
+    offloaded = [layer for layer in stack.modules() if getattr(layer, "offloaded", False)]
+    weight_bytes = sum(p.untyped_storage().nbytes() for layer in offloaded for p in layer.parameters(recurse=False))
+    largest = max((sum(p.untyped_storage().nbytes() for p in layer.parameters(recurse=False)) for layer in offloaded),
+                  default=0)
+    return peak, weight_bytes, largest
+
+
+def test_offloaded_layers_lower_the_peak_by_their_weights_less_the_copies_in_the_rings():
+    """AI Toolkit keeps an offloaded layer's weight in host memory and copies it to the device for
+    the forward and again for the backward, into rings of AI_TOOLKIT_OFFLOAD_DEPTH (4) slots; the
+    LoRA, the input the autograd function saves and everything not offloaded stay on the device."""
+    from fitfinder.models import _offload
+
+    resident, none_offloaded, _ = _offloaded_blocks(0.0)
+    full, weights, largest = _offloaded_blocks(1.0)
+    half, half_weights, _ = _offloaded_blocks(0.5)
+    depth = _offload.ring_depth()
+    assert none_offloaded == 0 and abs(2 * half_weights - weights) < weights / 100  # half the layers (biases differ)
+    # lighter by the offloaded weights at most, and by all of them but the rings' copies (forward,
+    # backward, and the one being made) at least
+    assert weights - (2 * depth + 1) * largest <= resident - full <= weights
+    assert resident - full > weights / 3
+    assert full < half < resident
+
+
+def test_a_share_of_0_is_no_offloading_byte_for_byte_and_more_offloading_is_lighter(run_tiny):
+    off = run_tiny("wan21", {"train.gradient_checkpointing": True})
+    zero = run_tiny("wan21", {**OFFLOAD, "model.layer_offloading_transformer_percent": 0.0,
+                              "model.layer_offloading_text_encoder_percent": 0.0})
+    half = run_tiny("wan21", {**OFFLOAD, "model.layer_offloading_transformer_percent": 0.5,
+                              "model.layer_offloading_text_encoder_percent": 0.5})
+    full = run_tiny("wan21", OFFLOAD)  # AI Toolkit's default share: 1.0
+    assert off["status"] == zero["status"] == half["status"] == full["status"] == "ok"
+    assert zero["phases"] == off["phases"]
+    for phase in ("text_encoder", "sample", "train", "last_sample"):
+        assert full["phases"][phase] < half["phases"][phase] < off["phases"][phase], phase
+
+
+def test_the_weights_of_offloaded_layers_stay_in_host_memory_in_every_phase():
+    """The sim meter counts the device: after load, the parts hold exactly the offloaded weights less."""
+    from fitfinder.probe import meter as meters
+
+    def placed(changes):
+        request = probe.request_for(tiny_job("wan21", changes), 1, "sim", None)
+        meter = meters.SimMeter(None)
+        with meter.tracker:
+            pipe = models.load_pipeline(request["model"], request, meter)
+            live = meter.live_bytes
+        return pipe, live
+
+    _, resident = placed({"train.gradient_checkpointing": True})
+    pipe, offloaded = placed(OFFLOAD)
+    assert pipe.offloaded == {"transformer", "text_encoder"}
+    host = sum(p.untyped_storage().nbytes() for name in pipe.offloaded for layer in pipe.parts[name].modules()
+               if getattr(layer, "offloaded", False) for p in layer.parameters(recurse=False))
+    assert host > 0 and resident - offloaded == host
+    # norms and the LoRA stay: no offloaded layer sits under a norm, none is a LoRA layer
+    for name in pipe.offloaded:
+        for module_name, layer in pipe.parts[name].named_modules():
+            if getattr(layer, "offloaded", False):
+                assert "lora_" not in module_name and "norm" not in module_name
+
+
+def test_families_whose_loader_never_offloads_ignore_the_keys_and_have_no_knob():
+    """FLUX.1 loads through toolkit/stable_diffusion_model.py, which never reads layer_offloading."""
+    from fitfinder import space as spaces
+
+    flux = tiny_job("flux", OFFLOAD)
+    assert probe.request_for(flux, 3, "sim", None)["layer_offloading"] == {"denoiser": 0.0, "text_encoder": 0.0}
+    assert "layer_offloading" not in spaces.build(flux).by_name
+    assert "layer_offloading" in spaces.build(tiny_job("wan21")).by_name
+
+
+def test_the_offloading_knob_writes_ai_toolkits_own_keys(tmp_path):
+    from fitfinder import jobconfig
+    from fitfinder import space as spaces
+    from fitfinder.results.report import export_best
+
+    job = tiny_job("wan21")
+    space = spaces.build(job)
+    knob = space.by_name["layer_offloading"]
+    assert knob.candidates == (1.0, 0.75, 0.5, 0.25, 0.0) and knob.desired == 0.0 and knob.role == "speed"
+    assert spaces.SPEED_ORDER[-1] == "layer_offloading"
+    written = export_best(job, space, {**space.desired(), "layer_offloading": 0.5}, tmp_path, [])
+    best = jobconfig.load(written)
+    assert best.get("model.layer_offloading") is True
+    assert best.get("model.layer_offloading_transformer_percent") == 0.5
+    assert best.get("model.layer_offloading_text_encoder_percent") == 0.5
+    assert layer_offloading(best, models.FAMILIES["wan21"]) == {"denoiser": 0.5, "text_encoder": 0.5}
+    on = tiny_job("wan21", OFFLOAD)
+    turned_off = spaces.build(on).apply(on, {**spaces.build(on).desired(), "layer_offloading": 0.0})
+    assert turned_off.get("model.layer_offloading") is False
+    assert probe.request_for(turned_off, 3, "sim", None)["layer_offloading"]["denoiser"] == 0.0

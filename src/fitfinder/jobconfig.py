@@ -60,7 +60,7 @@ AITK_DEFAULTS: dict[str, Any] = {
 # The knobs the search may turn, by name; `fitfinder: candidates:` overrides their values.
 KNOB_NAMES = (
     "buckets", "frames", "rank", "batch", "gradient_checkpointing", "quantize", "low_vram",
-    "text_encoder", "optimizer", "ema", "sample_size", "sample_frames", "sampling",
+    "text_encoder", "optimizer", "ema", "sample_size", "sample_frames", "sampling", "layer_offloading",
 )
 
 # AI Toolkit's quantization types (optimum-quanto, torchao and its own uint names) -> bits; the

@@ -39,9 +39,13 @@ _PREVIEW = frozenset({"sample", "last_sample"})
 # Default priority of the quality knobs: training fidelity > preview fidelity > flexibility.
 QUALITY_ORDER = ("buckets", "frames", "rank", "quantize", "optimizer", "ema",
                  "sampling", "sample_size", "sample_frames", "text_encoder")
-# The speed knobs' order. The search climbs the batch first, one step at a time, then turns the
-# switches off in this order (checkpointing, then offload), each alone before two together.
-SPEED_ORDER = ("gradient_checkpointing", "batch", "low_vram")
+# The speed knobs' order. The search climbs the speed knob with the most levels one step at a
+# time, then raises the others in this order, each alone before two together. Layer offloading
+# comes last: it costs the most speed (every offloaded layer crosses to the card in each forward
+# and again in each backward) and it is the last move of the seeds' rollback, so a job that fits
+# without it never depends on it, and the search's tie-break takes the least offloading that fits
+# (search.planner.best), since the sim meter's host-to-device copies cost no real time.
+SPEED_ORDER = ("gradient_checkpointing", "batch", "low_vram", "layer_offloading")
 
 
 @dataclass(frozen=True)
@@ -459,7 +463,7 @@ def _apply_text_encoder(job: JobFile, mode: str, space: Space) -> None:
     _set(job, "train.cache_text_embeddings", mode == "cache")
 
 
-# -- speed: batch, gradient checkpointing, low_vram ------------------------------------------------
+# -- speed: batch, gradient checkpointing, low_vram, layer offloading ----------------------------
 def _batch(job: JobFile, override: list | None, video: bool) -> Knob:
     desired = int(job.get("train.batch_size"))
     effective = desired * job.accumulation
@@ -503,17 +507,57 @@ _checkpointing, _apply_checkpointing = _switch("gradient_checkpointing", "train.
                                                frozenset({"train"}), light=True)
 _low_vram, _apply_low_vram = _switch("low_vram", "model.low_vram", _ALL, light=True)
 
+
+# -- layer offloading: model.layer_offloading + its percents ---------------------------------------
+# Shares of the layers offloaded, lightest first. AI Toolkit reads each percent as a fraction
+# ("0 is off and 1.0 is 100% of the layers", toolkit/config_modules.py ModelConfig) and its UI sets
+# it as a slider; quarters give the search five levels, each step a quarter of the denoiser's and
+# text encoder's weights, which is as fine as a probe is worth on a card where 100% is the default.
+OFFLOAD_SHARES = (1.0, 0.75, 0.5, 0.25, 0.0)
+
+
+def _layer_offloading(job: JobFile, override: list | None, video: bool) -> Knob | None:
+    from fitfinder.models import FAMILIES, family_of
+
+    if is_full_fine_tune(job) or not FAMILIES[family_of(job)].layer_offloading:
+        return None  # the family's AI Toolkit loader never offloads (Family.layer_offloading)
+    on = job.get("model.layer_offloading", None)
+    on = bool(job.get("model.auto_memory", False) if on is None else on)
+    desired = float(job.get("model.layer_offloading_transformer_percent", 1.0)) if on else 0.0
+    values = list(OFFLOAD_SHARES) if override is None else _with_desired(
+        override, desired, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1,
+        "shares of layers from 0 to 1")
+    values = [float(v) for v in values]
+    return Knob("layer_offloading", "speed", tuple(sorted(set(values), reverse=True)), desired,
+                ("model.layer_offloading", "model.layer_offloading_transformer_percent",
+                 "model.layer_offloading_text_encoder_percent"), _ALL,
+                # Only the load is lighter for sure: after it, the device's rings hold copies of the
+                # last offloaded layers (dequantized: twice an 8-bit weight), through the VAE-only
+                # latents pass too, and the layers' autograd function saves every input, which
+                # without checkpointing can outweigh the weights that went to the host (a Wan clip
+                # of 81 frames: 335 MB of input against 141 MB of weight per FFN layer).
+                unordered=_ALL - {"load"})
+
+
+def _apply_layer_offloading(job: JobFile, share: float, space: Space) -> None:
+    """Off at 0; else on, with the same share of the denoiser's and the text encoder's layers."""
+    job.set("model.layer_offloading", share > 0)
+    if share > 0:
+        job.set("model.layer_offloading_transformer_percent", share)
+        job.set("model.layer_offloading_text_encoder_percent", share)
+
 _BUILDERS: dict[str, Callable[[JobFile, list | None, bool], Knob | None]] = {
     "buckets": _buckets, "frames": _frames, "rank": _rank, "quantize": _quantize, "optimizer": _optimizer, "ema": _ema,
     "sampling": _sampling, "sample_size": _sample_size, "sample_frames": _sample_frames,
     "text_encoder": _text_encoder, "batch": _batch, "gradient_checkpointing": _checkpointing,
-    "low_vram": _low_vram,
+    "low_vram": _low_vram, "layer_offloading": _layer_offloading,
 }
 _APPLY: dict[str, Callable[[JobFile, Any, Space], None]] = {
     "buckets": _apply_buckets, "frames": _apply_frames, "rank": _apply_rank, "quantize": _apply_quantize,
     "optimizer": _apply_optimizer, "ema": _apply_ema, "sampling": _apply_sampling, "sample_size": _apply_sample_size,
     "sample_frames": _apply_sample_frames, "text_encoder": _apply_text_encoder, "batch": _apply_batch,
     "gradient_checkpointing": _apply_checkpointing, "low_vram": _apply_low_vram,
+    "layer_offloading": _apply_layer_offloading,
 }
 _LABELS: dict[str, Callable[[Any], str]] = {
     "buckets": lambda v: f"[{v}]",
@@ -521,8 +565,9 @@ _LABELS: dict[str, Callable[[Any], str]] = {
     "low_vram": lambda v: "on" if v else "off",
     "ema": lambda v: "on" if v else "off",
     "sampling": lambda v: "on" if v else "off",
+    "layer_offloading": lambda v: f"{round(v * 100)}%",
 }
-_SHORT = {"gradient_checkpointing": "gc", "sample_size": "sample", "text_encoder": "te"}
+_SHORT = {"gradient_checkpointing": "gc", "sample_size": "sample", "text_encoder": "te", "layer_offloading": "offload"}
 
 
 def _plain(value: Any) -> Any:

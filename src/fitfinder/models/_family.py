@@ -76,6 +76,11 @@ class Family:
     # Parts that stay on the device once loaded, low_vram or not (Qwen-Image's Qwen2.5-VL: loaded and
     # quantized on the device, where AI Toolkit leaves it).
     kept_on_device: tuple[str, ...] = ()
+    # AI Toolkit's loader attaches its MemoryManager under `model.layer_offloading` (the block swap,
+    # see models/_offload.py) to the denoiser(s), with layer_offloading_transformer_percent, and the
+    # text encoder, with layer_offloading_text_encoder_percent. The loaders of FLUX.1, SDXL, SD3,
+    # Chroma, Lumina2 and HiDream I1 (toolkit/stable_diffusion_model.py and theirs) never read it.
+    layer_offloading: bool = False
 
     @property
     def parts(self) -> tuple[str, ...]:

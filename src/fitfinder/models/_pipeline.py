@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from fitfinder.models import FAMILIES, _fake
+from fitfinder.models import FAMILIES, _fake, _offload
 from fitfinder.models._common import Inputs
 from fitfinder.models._weights import build_part, lora_targets, quantize
 
@@ -38,6 +38,9 @@ class Pipeline:
         self.inputs.concrete = meter.concrete
         self.recipe = self.family.recipe(self.arch, self.inputs)
         self.recipe.pipeline = self  # a recipe that calls a companion part (LTX-2's connectors) finds it here
+        # The device's staging rings of offloaded layers (models/_offload.py), one for every part.
+        self.offload_rings = _offload.Rings(_offload.ring_depth())
+        self.offloaded: set[str] = set()
 
     def place(self, wanted: set[str]) -> None:
         """Exactly the loaded parts in `wanted` on the device: leaving parts go first, then arriving ones."""
@@ -52,6 +55,9 @@ class Pipeline:
         """Drop a part for good (AI Toolkit's unloaded text encoders): its memory is freed."""
         self.place(self.on_device - {name})
         del self.parts[name]
+        if name in self.offloaded:  # MemoryManager.free drops the device's rings (toolkit/unloader.py)
+            self.offloaded.discard(name)
+            self.offload_rings.clear()
 
     def trainable_parameters(self, names) -> list[torch.nn.Parameter]:
         return [p for name in names for p in self.parts[name].parameters() if p.requires_grad]
@@ -79,6 +85,7 @@ def load(spec: dict, settings: dict, meter) -> Pipeline:
             pipe.place(pipe.on_device | {part})
             if qtype:
                 quantize(pipe.parts[part], qtype, meter.repeated)
+        _offload_layers(pipe, part, settings)
         pipe.place(pipe.on_device | {part} if kept else pipe.on_device - {part})
     make_trainable = _add_lora if settings["rank"] else _train_whole
     for name in settings["trained"]:
@@ -88,6 +95,16 @@ def load(spec: dict, settings: dict, meter) -> Pipeline:
             with meter.host():
                 make_trainable(pipe, name, settings)
     return pipe
+
+
+def _offload_layers(pipe: Pipeline, part: str, settings: dict) -> None:
+    """AI Toolkit's block swap on a loaded, quantized part, before its LoRA (models/_offload.py):
+    the family's loader attaches it to the denoisers and the text encoder (Family.layer_offloading)."""
+    shares = settings.get("layer_offloading") or {}
+    family = pipe.family
+    kind = "denoiser" if part in family.denoisers else "text_encoder" if part in family.text_encoders else None
+    if kind and shares.get(kind) and _offload.attach(pipe.parts[part], shares[kind], pipe.meter, pipe.offload_rings):
+        pipe.offloaded.add(part)
 
 
 def _build(spec: dict, part: str, dtype: torch.dtype, device, meter) -> torch.nn.Module:
@@ -134,7 +151,9 @@ def _add_lora(pipe: Pipeline, name: str, settings: dict) -> None:
         else:
             denoiser.add_adapter(config)
     if name in pipe.on_device:
-        pipe.meter.register(denoiser)
+        # Counts the adapters; on a card it moves them there too: peft puts them next to the base
+        # weight, which an offloaded layer keeps in host memory.
+        pipe.parts[name] = pipe.meter.to_device(denoiser)
     for param in denoiser.parameters():
         if param.requires_grad:
             param.data = param.data.to(torch.float32)

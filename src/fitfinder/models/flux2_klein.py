@@ -22,6 +22,7 @@ FAMILY = Family(
     arch_values=("flux2_klein_4b", "flux2_klein_9b"),
     name_hints=("flux2klein",),
     quantized_text_encoders=("text_encoder",),
+    layer_offloading=True,
     te_qtype_key="qtype_te",
     text_seq_len=512,
     tokenizer="tokenizer",  # a diffusers FLUX.2 folder's; its model_max_length may only shorten 512

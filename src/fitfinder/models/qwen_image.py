@@ -30,6 +30,7 @@ FAMILY = Family(
     arch_values=("qwen_image",),
     name_hints=("qwenimage",),
     quantized_text_encoders=("text_encoder",),
+    layer_offloading=True,
     te_qtype_key="qtype_te",
     text_seq_len=512,  # QwenImagePipeline.__call__'s max_sequence_length
     tokenizer="tokenizer",

@@ -22,6 +22,7 @@ FAMILY = Family(
     arch_values=("qwen_image_edit",),
     name_hints=("qwenimageedit",),
     quantized_text_encoders=("text_encoder",),
+    layer_offloading=True,
     te_qtype_key="qtype_te",
     text_seq_len=512,
     tokenizer="tokenizer",

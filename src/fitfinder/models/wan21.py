@@ -24,6 +24,7 @@ FAMILY = Family(
     video=True,
     frame_step=4,  # the VAE keeps the first frame and compresses the rest 4x: clips of 4k+1 frames
     quantized_text_encoders=("text_encoder",),
+    layer_offloading=True,
     text_seq_len=512,  # WanPipeline's max_sequence_length
     tokenizer="tokenizer",
 )

@@ -29,6 +29,7 @@ FAMILY = Family(
     video=True,
     frame_step=4,  # the Wan 2.1 VAE: clips of 4k+1 frames
     quantized_text_encoders=("text_encoder",),
+    layer_offloading=True,
     text_seq_len=512,
     tokenizer="tokenizer",
     # Wan21I2V.get_noise_prediction moves the image encoder onto the device at every step and

@@ -30,6 +30,7 @@ FAMILY = Family(
     # (scale_factor_temporal 4): clips of 4k+1 frames, the ladder 121 -> 61, 29, 13, 5, 1.
     frame_step=4,
     quantized_text_encoders=("text_encoder",),
+    layer_offloading=True,
     text_seq_len=512,
     tokenizer="tokenizer",
 )

@@ -28,6 +28,7 @@ FAMILY = Family(
     video=True,
     frame_step=4,  # the Wan 2.1 VAE: clips of 4k+1 frames
     quantized_text_encoders=("text_encoder",),
+    layer_offloading=True,
     text_seq_len=512,
     tokenizer="tokenizer",
     expert_switches=wan22.FAMILY.expert_switches,

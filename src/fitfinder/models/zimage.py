@@ -26,6 +26,7 @@ FAMILY = Family(
     arch_values=("zimage",),
     name_hints=("zimage",),
     quantized_text_encoders=("text_encoder",),
+    layer_offloading=True,
     te_qtype_key="qtype_te",
     text_seq_len=512,  # ZImagePipeline.encode_prompt's max_sequence_length
     tokenizer="tokenizer",

@@ -211,10 +211,13 @@ def _counting_fake_mode(tracker: AllocatorTracker):
 
 
 def tensors_of(*objects: Any) -> Iterator[torch.Tensor]:
-    """Every tensor held by modules (parameters, grads, buffers), optimizers (state) or given directly."""
+    """Every tensor held by modules (parameters, grads, buffers; not the weights of offloaded
+    layers), optimizers (state) or given directly."""
     for obj in objects:
         if isinstance(obj, torch.nn.Module):
             for param in obj.parameters():
+                if getattr(param, "_is_memory_managed", False):
+                    continue  # an offloaded layer's weight, in host memory (models/_offload.py)
                 yield param
                 if param.grad is not None:
                     yield param.grad
@@ -463,6 +466,8 @@ class RepeatedBlocks:
                         self._wrap(block)
 
     def _wrap(self, block: torch.nn.Module) -> None:
+        if any(getattr(module, "offloaded", False) for module in block.modules()):
+            return  # its offloaded layers' copies outlive it in the staging rings (models/_offload.py)
         forward = block.forward
 
         def replayed(*args, **kwargs):

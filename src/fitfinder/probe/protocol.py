@@ -46,6 +46,7 @@ class ProbeRequest(TypedDict):
     quantize_te: Optional[int]
     quant_type_te: str
     low_vram: bool
+    layer_offloading: NotRequired[dict[str, float]]  # share of layers offloaded: "denoiser", "text_encoder"
     text_encoder: TextEncoderMode
     cache_latents: bool
     shapes: list[list[int]]  # [resolution, frames] pairs the datasets train on

@@ -311,15 +311,20 @@ def _train(pipe, request: dict, prompts: dict, result: dict, ema=None):
     """Training steps (LoRA or full) over the shape schedule; the optimizer steps every
     `accumulation` micro-steps, the EMA follows each optimizer step.
     Returns the optimizer, whose state outlives the phase (previews happen during training)."""
-    import torch.nn.functional as F
-
     _maybe_fault(request.get("fault"))
-    recipe, trained = pipe.recipe, request["trained"]
+    trained = request["trained"]
     for name in trained:
         pipe.parts[name].train()
     with pipe.meter.concrete():  # bitsandbytes builds its code books from values
         optimizer = _optimizer(request, pipe, trained)
     steps, accumulation = request["steps"], max(1, request["accumulation"])
+    if request.get("prime_optimizer") and pipe.offloaded & set(trained):
+        # Offloaded layers leave their last copies in the device's rings (models/_offload.py), so a
+        # run's later steps start with a step's copies held: a one-step run (the estimate's) first
+        # takes the first step of a run, its heaviest shape, as the probe does, and drops its gradients.
+        resolution, frames = shape_schedule(request["shapes"], 1)[0]
+        _training_step(pipe, request, prompts, trained[0], resolution, frames, accumulation)
+        optimizer.zero_grad(set_to_none=True)
     if request.get("prime_optimizer"):
         # Gradients outlive a step only while the same denoiser keeps training (see the loop).
         carried = accumulation > 1 and (len(trained) == 1 or request["switch_every"] > 1)
@@ -336,16 +341,7 @@ def _train(pipe, request: dict, prompts: dict, result: dict, ema=None):
     for step, (resolution, frames) in enumerate(schedule):
         start, wall_start = pipe.meter.step_clock(), time.perf_counter()
         expert = expert_at(step)
-        pipe.place(resident("train", request, pipe.family, active=expert))
-        side = _accepted_size(pipe, resolution)
-        latents = _training_latents(pipe, request, side, frames, step in heaviest_steps)
-        noise = recipe.inputs.randn(latents.shape)
-        t = recipe.inputs.timesteps(latents.shape[0])
-        noisy, target = recipe.noisy_and_target(latents, noise, t)
-        prediction = recipe.predict(pipe.parts[expert], noisy, t, prompts["train"])
-        loss = F.mse_loss(prediction.float(), target.float()) / accumulation
-        loss.backward()
-        del latents, noise, noisy, target, prediction, loss
+        _training_step(pipe, request, prompts, expert, resolution, frames, accumulation, step in heaviest_steps)
         # Step the optimizer every `accumulation` micro-steps, once before the middle step so its
         # state exists when the heaviest shape comes back, and before the other expert takes over.
         if (step + 1) % accumulation == 0 or step in (middle - 1, steps - 1) or expert_at(step + 1) != expert:
@@ -361,6 +357,24 @@ def _train(pipe, request: dict, prompts: dict, result: dict, ema=None):
     result["step_wall_seconds"] = [round(t, 5) for t in walls]
     result["seconds_per_step"], result["timing_noise"] = step_timing(schedule, timings)
     return optimizer
+
+
+def _training_step(pipe, request: dict, prompts: dict, expert: str, resolution: int, frames: int,
+                   accumulation: int, heaviest: bool = True) -> None:
+    """One micro-step's forward and backward of `expert` at a shape; its gradients stay."""
+    import torch.nn.functional as F
+
+    recipe = pipe.recipe
+    pipe.place(resident("train", request, pipe.family, active=expert))
+    side = _accepted_size(pipe, resolution)
+    latents = _training_latents(pipe, request, side, frames, heaviest)
+    noise = recipe.inputs.randn(latents.shape)
+    t = recipe.inputs.timesteps(latents.shape[0])
+    noisy, target = recipe.noisy_and_target(latents, noise, t)
+    prediction = recipe.predict(pipe.parts[expert], noisy, t, prompts["train"])
+    loss = F.mse_loss(prediction.float(), target.float()) / accumulation
+    loss.backward()
+    del latents, noise, noisy, target, prediction, loss
 
 
 def step_timing(schedule: list[tuple[int, int]], timings: list[float]) -> tuple[float, float]:

@@ -36,6 +36,7 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
         "quantize": bits if job.quantize else None, "quant_type": qtype,
         "quantize_te": bits_te if job.quantize_te else None, "quant_type_te": qtype_te,
         "low_vram": bool(job.get("model.low_vram")),
+        "layer_offloading": layer_offloading(job, family),
         "text_encoder": job.text_encoder_mode,
         "cache_latents": job.latents_cached,
         "shapes": _shapes(job, family.video),
@@ -60,6 +61,22 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
         "seed": 0,
         **({"fault": fault} if fault else {}),
     }
+
+
+def layer_offloading(job, family) -> dict[str, float]:
+    """The share of layers offloaded per kind of part, {"denoiser": p, "text_encoder": p} (0: none).
+
+    AI Toolkit's ModelConfig (toolkit/config_modules.py) reads `model.layer_offloading` (default:
+    the deprecated `auto_memory`, false) and the two percents as fractions, each 1.0 by default,
+    "0 is off"; only the loaders of `Family.layer_offloading` families act on them. A full
+    fine-tune is probed without it (models/_offload.py says why).
+    """
+    on = job.get("model.layer_offloading", None)
+    on = bool(job.get("model.auto_memory", False) if on is None else on)
+    if not (on and family.layer_offloading) or jobconfig.is_full_fine_tune(job):
+        return {"denoiser": 0.0, "text_encoder": 0.0}
+    return {"denoiser": float(job.get("model.layer_offloading_transformer_percent", 1.0)),
+            "text_encoder": float(job.get("model.layer_offloading_text_encoder_percent", 1.0))}
 
 
 def _trained_weights(job) -> dict[str, Any]:

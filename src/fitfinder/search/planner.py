@@ -547,7 +547,8 @@ SPEED_NOISE_CAP = 0.10
 
 def best(space: Space, known: Knowledge) -> Result | None:
     """The highest-quality point that fits; among equals the fewest seconds per sample, and
-    among speeds within the timings' noise the one with the most memory to spare.
+    among speeds within the timings' noise the one with the least layer offloading, then the most
+    memory to spare.
 
     On a busy machine one probe's timing can be off by more than two settings differ; a tie
     broken by memory keeps the answer from resting on that noise, and spare memory is what a
@@ -563,7 +564,16 @@ def best(space: Space, known: Knowledge) -> Result | None:
         return fastest
     ties = [r for r in equals if r.seconds_per_sample is not None
             and r.seconds_per_sample <= fastest.seconds_per_sample * (1 + _noise(fastest, r))]
-    return min(ties, key=lambda r: (r.peak_bytes if r.peak_bytes is not None else math.inf, _seconds(r)))
+    return min(ties, key=lambda r: (-_offloading_level(space, r.point),
+                                    r.peak_bytes if r.peak_bytes is not None else math.inf, _seconds(r)))
+
+
+def _offloading_level(space: Space, point: Point) -> int:
+    """How little a point offloads (the layer_offloading knob's level; 0 without the knob). Among
+    ties the least offloading wins before the most memory to spare: on a card every offloaded layer
+    crosses from host memory at each step, a cost the sim meter's timing does not show."""
+    knob = space.by_name.get("layer_offloading")
+    return knob.level(point[knob.name]) if knob else 0
 
 
 def _seconds(result: Result) -> float:
