@@ -265,3 +265,17 @@ def test_a_qint4_weight_holds_half_a_byte_and_a_scale_and_midpoint_per_128():
     weights = 256 * 512
     held = sum(t.untyped_storage().nbytes() for tensor in tensors_of(layer[0].weight) for t in inner_tensors(tensor))
     assert held == weights // 2 + weights // 128 * 2 * 2
+
+
+def test_a_qint4_job_probes_and_estimates_to_the_same_bytes():
+    """A whole tiny Flux job with base and T5 in qint4 (peft's LoRA on quanto's layers): the estimate
+    equals the sim meter in every phase."""
+    from fitfinder.probe import estimate
+    from fitfinder.probe.overhead import GpuOverhead
+
+    runner = probe.ProbeRunner(timeout_s=300)
+    request = probe.request_for(tiny_job("flux", {"model.quantize": True, "model.qtype": "qint4"}), 3, "sim", None)
+    sim, fake = runner.run(request), runner.run(estimate.as_estimate(request, GpuOverhead.none()))
+    assert sim["status"] == fake["status"] == "ok", (sim.get("error"), fake.get("error"))
+    measured = {phase: stats["peak_allocated"] for phase, stats in sim["phase_stats"].items()}
+    assert {phase: stats["peak_live"] for phase, stats in fake["phase_stats"].items()} == measured
