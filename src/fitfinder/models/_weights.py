@@ -148,15 +148,15 @@ def keep_in_fp32(module: torch.nn.Module, dtype: torch.dtype) -> None:
 # AI Toolkit's qtype names (toolkit/util/quantize.py, get_qtype; AI Toolkit commit 27a03a91) -> how
 # the probe quantizes: optimum-quanto for its q* types; torchao's float8/int8 weight-only types hold
 # the same bytes (one per weight and a scale per row) and run here as quanto's; AI Toolkit's own
-# grouped uint2..uint7 (toolkit/util/uintx_quant.py) as `GroupedLinear`. quanto's qint4 picks its
-# TinyGemm layout on CPUs and recent GPUs, which has no fake-tensor path: it runs as a grouped
-# layer of the same bytes (4 bits, groups of 128, a bf16 scale and shift per group). nf4 and fp4 are
-# no AI Toolkit names; the probe reads them as uint4.
+# grouped uint2..uint7 (toolkit/util/uintx_quant.py) as `GroupedLinear`. quanto's qint4 is quanto's
+# own, in the layout quanto picks (TinyGemm for bf16 layers of whole groups of 128 on CPUs and recent
+# GPUs; `_give_quanto_a_fake_path` lets the estimate follow it). torchao's int4 runs as a grouped layer
+# of TinyGemm's bytes (4 bits, groups of 128, a bf16 scale and shift per group). nf4 and fp4 are no
+# AI Toolkit names; the probe reads them as uint4.
 QUANTO_TYPES = {"qfloat8": "qfloat8", "qfloat8_e4m3fn": "qfloat8", "float8": "qfloat8", "float8_e4m3fn": "qfloat8",
-                "fp8": "qfloat8", "qint8": "qint8", "int8": "qint8"}
+                "fp8": "qfloat8", "qint8": "qint8", "int8": "qint8", "qint4": "qint4"}
 GROUPED_TYPES = {**{f"uint{bits}": (bits, 64, "zero_point") for bits in range(2, 8)},
-                 "qint4": (4, 128, "shift"), "int4": (4, 128, "shift"), "nf4": (4, 64, "zero_point"),
-                 "fp4": (4, 64, "zero_point")}
+                 "int4": (4, 128, "shift"), "nf4": (4, 64, "zero_point"), "fp4": (4, 64, "zero_point")}
 
 
 def quantize(module: torch.nn.Module, qtype: str, repeated=None) -> int:
@@ -226,7 +226,15 @@ def _layout(layer: torch.nn.Module) -> tuple:
         return described, {**inner, **scales}
 
 
-def _meta(tensor: torch.Tensor) -> torch.Tensor:
+def _meta(tensor: torch.Tensor):
+    """A tensor's layout as meta tensors; a subclass (quanto's packed 4-bit codes) as its class,
+    its inner tensors' layouts and its flatten context, so `_empty_like` makes it again."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(tensor):
+        names, context = tensor.__tensor_flatten__()
+        inner = {name: _meta(getattr(tensor, name)) for name in names}
+        return type(tensor), inner, context, tensor.size(), tensor.stride()
     return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
 
 
@@ -252,8 +260,12 @@ def _like(layout: tuple, linear: torch.nn.Linear) -> torch.nn.Module:
     return layer
 
 
-def _empty_like(tensor: torch.Tensor, device) -> torch.Tensor:
-    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+def _empty_like(template, device) -> torch.Tensor:
+    if isinstance(template, tuple):  # a subclass, see _meta
+        cls, inner, context, size, stride = template
+        return cls.__tensor_unflatten__({name: _empty_like(t, device) for name, t in inner.items()}, context, size,
+                                        stride)
+    return torch.empty_strided(template.shape, template.stride(), dtype=template.dtype, device=device)
 
 
 def _quanto_linear(linear: torch.nn.Linear, qtype_name: str) -> torch.nn.Module:
@@ -267,6 +279,7 @@ def _quanto_linear(linear: torch.nn.Linear, qtype_name: str) -> torch.nn.Module:
     from optimum.quanto.nn import QLinear
     from torch.utils._python_dispatch import _disable_current_modes
 
+    _give_quanto_a_fake_path()
     weight = linear.weight
     with _disable_current_modes():
         layer = QLinear.qcreate(linear, getattr(quanto, qtype_name), device="meta")
@@ -278,12 +291,87 @@ def _quanto_linear(linear: torch.nn.Linear, qtype_name: str) -> torch.nn.Module:
     return layer
 
 
+def _give_quanto_a_fake_path() -> None:
+    """Let quanto's 4-bit weights be made from fake tensors (the estimate's), in quanto's own layouts.
+
+    Every kernel quanto's qint4 calls has a fake-tensor path already: torch 2.13 gives
+    `aten._convert_weight_to_int4pack(_for_cpu)` and `aten._weight_int4pack_mm(_for_cpu)` meta
+    kernels, and quanto registers `quanto::quantize_affine` and `quanto::unpack` for every backend
+    ("default"). What has none is Python, where quanto tells a plain tensor by `type(t) is
+    torch.Tensor`, which a FakeTensor is not (optimum-quanto 0.2.7, tensor/weights/qbits.py and
+    tinygemm/qbits.py): `WeightQBitsTensor.__init__` would keep one byte a code instead of half,
+    `TinyGemmWeightQBitsTensor.__init__` asserts, and `TinyGemmQBitsLinearFunction.forward` would
+    "dequantize" its plain input into an fp32 copy and compute in fp32 (measured: a bf16 layer's
+    output came out fp32 on fake tensors, bf16 on real ones). Here fake tensors take the branch real
+    ones take; real tensors go through quanto untouched.
+    """
+    from optimum.quanto.tensor.packed import PackedTensor
+    from optimum.quanto.tensor.weights.qbits import WeightQBitsTensor
+    from optimum.quanto.tensor.weights.tinygemm import TinyGemmWeightQBitsTensor
+    from optimum.quanto.tensor.weights.tinygemm.qbits import TinyGemmQBitsLinearFunction
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if getattr(WeightQBitsTensor.__init__, "fitfinder_fake_path", False):
+        return
+    plain_init, tinygemm_init = WeightQBitsTensor.__init__, TinyGemmWeightQBitsTensor.__init__
+    tinygemm_linear = TinyGemmQBitsLinearFunction.forward
+
+    def plain(self, qtype, axis, group_size, size, stride, data, scale, shift, requires_grad=False):
+        if isinstance(data, FakeTensor):
+            data = PackedTensor.pack(data, qtype.bits)
+        plain_init(self, qtype, axis, group_size, size, stride, data, scale, shift, requires_grad)
+
+    def tinygemm(self, qtype, axis, group_size, size, stride, data, scale_shift, requires_grad=False):
+        if isinstance(data, FakeTensor):
+            data, scale_shift = _tinygemm_layout(qtype, group_size, size, data, *scale_shift)
+        tinygemm_init(self, qtype, axis, group_size, size, stride, data, scale_shift, requires_grad)
+
+    def linear(ctx, input, other, bias):
+        if isinstance(input, FakeTensor):  # a plain activation (quanto's quantized ones are no FakeTensor)
+            return _tinygemm_linear(ctx, input, other, bias)
+        return tinygemm_linear(ctx, input, other, bias)
+
+    plain.fitfinder_fake_path = tinygemm.fitfinder_fake_path = True
+    WeightQBitsTensor.__init__, TinyGemmWeightQBitsTensor.__init__ = plain, tinygemm
+    TinyGemmQBitsLinearFunction.forward = staticmethod(linear)
+
+
+def _tinygemm_layout(qtype, group_size: int, size, codes: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor):
+    """TinyGemm's packed codes and its (groups, out, 2) scale-and-midpoint table, made with the same
+    ops in the same order as quanto's TinyGemmWeightQBitsTensor makes them from grouped codes."""
+    from optimum.quanto.tensor.grouped import ungroup
+    from optimum.quanto.tensor.weights.tinygemm.packed import TinyGemmPackedTensor
+
+    packed = TinyGemmPackedTensor.pack(ungroup(codes, axis=0, orig_shape=size))
+    out_features, in_features = size
+    scale = scale.reshape(out_features, in_features // group_size, 1)
+    shift = shift.reshape(out_features, in_features // group_size, 1)
+    if not shift.dtype.is_floating_point:  # a zero point counts in codes
+        shift = scale * shift
+    # The kernel's offset is the middle of the range: -shift + 2**(bits-1) * scale.
+    lowest = -shift
+    half_range = 2 ** (qtype.bits - 1) * scale
+    midpoint = lowest + half_range
+    return packed, torch.cat([scale, midpoint], 2).transpose(0, 1).contiguous()
+
+
+def _tinygemm_linear(ctx, input: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """TinyGemmQBitsLinearFunction.forward for a plain input: the input saved for the backward, one
+    int4 matmul kernel (the CPU's or the GPU's, by the input's device), the bias added."""
+    ctx.save_for_backward(input, weight)
+    matmul = torch._weight_int4pack_mm_for_cpu if input.device.type == "cpu" else torch._weight_int4pack_mm
+    rows = input.reshape(-1, input.shape[-1])
+    output = matmul(rows, weight._data._data, weight._group_size, weight._scale_shift)
+    output = output.reshape(input.shape[:-1] + (weight.shape[0],))
+    return output if bias is None else output + bias
+
+
 class GroupedLinear(torch.nn.Linear):
     """A Linear layer whose weight is held as grouped unsigned codes: AI Toolkit's uint2..uint7.
 
     Per group of `group` weights along the input: a scale in the weight's dtype and a zero point
-    (uint8; or a shift in the weight's dtype for quanto's qint4 layout). Codes of `bits` bits are
-    packed into power-of-two bit shards (uint3: a 2-bit and a 1-bit shard), as AI Toolkit's
+    (uint8; or a shift in the weight's dtype as TinyGemm keeps it, for torchao's int4). Codes of
+    `bits` bits are packed into power-of-two bit shards (uint3: a 2-bit and a 1-bit shard), as AI Toolkit's
     `toolkit/util/uintx_quant.py` packs them: uint4 is 0.5 + 3/64 = 0.547 bytes per weight. Its
     forward, as AI Toolkit's `UIntXQuantizer.forward`, rebuilds the weight outside autograd and calls
     `F.linear` with it, so autograd keeps the rebuilt weight for the backward (a checkpointed block

@@ -6,6 +6,7 @@ AI Toolkit: toolkit/stable_diffusion_model.py (load_model's is_flux branch; comm
 
 from __future__ import annotations
 
+from fitfinder.models._common import FlowImageLatents
 from fitfinder.models._family import Family
 
 # LoRA targets follow AI Toolkit's LoRA network (toolkit/lora_special.py): every Linear layer of
@@ -27,15 +28,12 @@ FAMILY = Family(
 )
 
 
-class Recipe:
+class Recipe(FlowImageLatents):
     """What FLUX.1 computes; built by probe children (its methods import torch)."""
 
     def __init__(self, arch: dict, inputs):
-        vae = arch["parts"]["vae"]
         self.inputs = inputs
-        self.scale_factor = 2 ** (len(vae["block_out_channels"]) - 1)
-        self.latent_channels = vae["latent_channels"]
-        self.scaling, self.shift = vae.get("scaling_factor", 0.3611), vae.get("shift_factor", 0.1159)
+        self.read_autoencoder_kl(arch["parts"]["vae"], scaling=0.3611, shift=0.1159)
         self.guidance_embeds = bool(arch["parts"]["transformer"].get("guidance_embeds"))
         self.divisor = self.scale_factor * 2  # latents are packed 2x2
 
@@ -45,25 +43,6 @@ class Recipe:
         text = t5(input_ids=self.inputs.t5_ids(t5.config, batch)).last_hidden_state
         dtype = self.inputs.dtype
         return {"pooled_projections": pooled.to(dtype), "encoder_hidden_states": text.to(dtype)}
-
-    def latent_shape(self, height, width, frames, batch):
-        return (batch, self.latent_channels, height // self.scale_factor, width // self.scale_factor)
-
-    def pixels(self, height, width, frames, batch):
-        from fitfinder.models._common import image_pixels
-
-        return image_pixels(self.inputs, height, width, batch)
-
-    def encode_images(self, vae, pixels):
-        return (vae.encode(pixels).latent_dist.sample() - self.shift) * self.scaling
-
-    def decode(self, vae, latents):
-        return vae.decode(latents / self.scaling + self.shift).sample
-
-    def noisy_and_target(self, latents, noise, t):
-        from fitfinder.models._common import flow_noisy_and_target
-
-        return flow_noisy_and_target(latents, noise, t)
 
     def predict(self, denoiser, latents, t, cond, guidance_scale: float = 1.0):
         """One transformer call: latents packed 2x2 into tokens as FluxPipeline packs them."""

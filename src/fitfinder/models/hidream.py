@@ -8,6 +8,7 @@ AI Toolkit: extensions_built_in/diffusion_models/hidream/hidream_model.py (Hidre
 
 from __future__ import annotations
 
+from fitfinder.models._common import FlowImageLatents
 from fitfinder.models._family import Family
 
 # Load order and quantization (HidreamModel.load_model): Llama 3.1 8B first, onto the device in
@@ -38,15 +39,13 @@ FAMILY = Family(
 )
 
 
-class Recipe:
+class Recipe(FlowImageLatents):
     """What HiDream-I1 computes; built by probe children (its methods import torch)."""
 
     def __init__(self, arch: dict, inputs):
         vae, transformer = arch["parts"]["vae"], arch["parts"]["transformer"]
         self.inputs = inputs
-        self.scale_factor = 2 ** (len(vae["block_out_channels"]) - 1)
-        self.latent_channels = vae["latent_channels"]
-        self.scaling, self.shift = vae.get("scaling_factor", 0.3611), vae.get("shift_factor", 0.1159)
+        self.read_autoencoder_kl(vae, scaling=0.3611, shift=0.1159)
         self.patch = int(transformer.get("patch_size") or 2)
         self.divisor = 16  # HidreamModel.get_bucket_divisibility
 
@@ -78,25 +77,6 @@ class Recipe:
         ids = self.inputs._ids(config, batch, length)
         ids[:, -1] = config.eos_token_id if config.eos_token_id != 2 else config.vocab_size - 1
         return ids
-
-    def latent_shape(self, height, width, frames, batch):
-        return (batch, self.latent_channels, height // self.scale_factor, width // self.scale_factor)
-
-    def pixels(self, height, width, frames, batch):
-        from fitfinder.models._common import image_pixels
-
-        return image_pixels(self.inputs, height, width, batch)
-
-    def encode_images(self, vae, pixels):
-        return (vae.encode(pixels).latent_dist.sample() - self.shift) * self.scaling
-
-    def decode(self, vae, latents):
-        return vae.decode(latents / self.scaling + self.shift).sample
-
-    def noisy_and_target(self, latents, noise, t):
-        from fitfinder.models._common import flow_noisy_and_target
-
-        return flow_noisy_and_target(latents, noise, t)
 
     def predict(self, denoiser, latents, t, cond, guidance_scale: float = 1.0):
         """One transformer call (HidreamModel.get_noise_prediction): the latents as they are (the model

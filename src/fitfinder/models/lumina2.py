@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
+from fitfinder.models._common import FlowImageLatents
 from fitfinder.models._family import Family
 
 # LoRA targets (toolkit/lora_special.py, LoRANetwork.create_modules): target_modules is
@@ -39,15 +40,12 @@ FAMILY = Family(
 )
 
 
-class Recipe:
+class Recipe(FlowImageLatents):
     """What Lumina 2 computes; built by probe children (its methods import torch)."""
 
     def __init__(self, arch: dict, inputs):
-        vae = arch["parts"]["vae"]
         self.inputs = inputs
-        self.scale_factor = 2 ** (len(vae["block_out_channels"]) - 1)
-        self.latent_channels = vae["latent_channels"]
-        self.scaling, self.shift = vae.get("scaling_factor", 0.3611), vae.get("shift_factor", 0.1159)
+        self.read_autoencoder_kl(arch["parts"]["vae"], scaling=0.3611, shift=0.1159)
         self.divisor = self.scale_factor * int(arch["parts"]["transformer"].get("patch_size", 2))
 
     def encode_prompts(self, parts, batch) -> dict:
@@ -62,25 +60,6 @@ class Recipe:
         text = out.hidden_states[-2]
         del out
         return {"encoder_hidden_states": text.to(self.inputs.dtype), "encoder_attention_mask": mask}
-
-    def latent_shape(self, height, width, frames, batch):
-        return (batch, self.latent_channels, height // self.scale_factor, width // self.scale_factor)
-
-    def pixels(self, height, width, frames, batch):
-        from fitfinder.models._common import image_pixels
-
-        return image_pixels(self.inputs, height, width, batch)
-
-    def encode_images(self, vae, pixels):
-        return (vae.encode(pixels).latent_dist.sample() - self.shift) * self.scaling
-
-    def decode(self, vae, latents):
-        return vae.decode(latents / self.scaling + self.shift).sample
-
-    def noisy_and_target(self, latents, noise, t):
-        from fitfinder.models._common import flow_noisy_and_target
-
-        return flow_noisy_and_target(latents, noise, t)
 
     def predict(self, denoiser, latents, t, cond, guidance_scale: float = 1.0):
         """predict_noise (is_lumina2): the time reversed (1 - timestep / 1000), the caption's mask

@@ -7,6 +7,7 @@ AI Toolkit: toolkit/stable_diffusion_model.py (load_model's is_v3 branch; commit
 
 from __future__ import annotations
 
+from fitfinder.models._common import FlowImageLatents
 from fitfinder.models._family import Family
 
 # LoRA targets (toolkit/lora_special.py, LoRANetwork.create_modules): target_modules is
@@ -39,15 +40,12 @@ FAMILY = Family(
 )
 
 
-class Recipe:
+class Recipe(FlowImageLatents):
     """What SD 3.5 computes; built by probe children (its methods import torch)."""
 
     def __init__(self, arch: dict, inputs):
-        vae = arch["parts"]["vae"]
         self.inputs = inputs
-        self.scale_factor = 2 ** (len(vae["block_out_channels"]) - 1)
-        self.latent_channels = vae["latent_channels"]
-        self.scaling, self.shift = vae.get("scaling_factor", 1.5305), vae.get("shift_factor", 0.0609)
+        self.read_autoencoder_kl(arch["parts"]["vae"], scaling=1.5305, shift=0.0609)
         self.divisor = self.scale_factor * int(arch["parts"]["transformer"].get("patch_size", 2))
 
     def encode_prompts(self, parts, batch) -> dict:
@@ -67,25 +65,6 @@ class Recipe:
         text = torch.cat([clip_text, t5_text], dim=-2)
         dtype = self.inputs.dtype
         return {"encoder_hidden_states": text.to(dtype), "pooled_projections": pooled.to(dtype)}
-
-    def latent_shape(self, height, width, frames, batch):
-        return (batch, self.latent_channels, height // self.scale_factor, width // self.scale_factor)
-
-    def pixels(self, height, width, frames, batch):
-        from fitfinder.models._common import image_pixels
-
-        return image_pixels(self.inputs, height, width, batch)
-
-    def encode_images(self, vae, pixels):
-        return (vae.encode(pixels).latent_dist.sample() - self.shift) * self.scaling
-
-    def decode(self, vae, latents):
-        return vae.decode(latents / self.scaling + self.shift).sample
-
-    def noisy_and_target(self, latents, noise, t):
-        from fitfinder.models._common import flow_noisy_and_target
-
-        return flow_noisy_and_target(latents, noise, t)
 
     def predict(self, denoiser, latents, t, cond, guidance_scale: float = 1.0):
         """One transformer call as AI Toolkit's predict_noise makes it (is_v3): latents as they are

@@ -6,6 +6,7 @@ AI Toolkit: toolkit/stable_diffusion_model.py (load_model's is_xl branch; commit
 
 from __future__ import annotations
 
+from fitfinder.models._common import KLImageLatents
 from fitfinder.models._family import Family
 
 # LoRA targets: the transformer blocks of the UNet's attentions (toolkit/lora_special.py keeps
@@ -27,17 +28,14 @@ FAMILY = Family(
 )
 
 
-class Recipe:
+class Recipe(KLImageLatents):
     """What SDXL computes; built by probe children (its methods import torch)."""
 
     def __init__(self, arch: dict, inputs):
         import torch
 
-        vae = arch["parts"]["vae"]
         self.inputs = inputs
-        self.scale_factor = 2 ** (len(vae["block_out_channels"]) - 1)
-        self.latent_channels = vae["latent_channels"]
-        self.scaling = vae.get("scaling_factor", 0.13025)
+        self.read_autoencoder_kl(arch["parts"]["vae"], scaling=0.13025, shift=None)
         self.divisor = self.scale_factor * 2 ** (len(arch["parts"]["unet"]["block_out_channels"]) - 1)
         # The DDPM schedule SDXL was trained with: scaled-linear betas 0.00085..0.012 over 1000 steps.
         betas = torch.linspace(0.00085 ** 0.5, 0.012 ** 0.5, 1000, dtype=torch.float64) ** 2
@@ -52,20 +50,6 @@ class Recipe:
         text = torch.cat([out_1.hidden_states[-2], out_2.hidden_states[-2]], dim=-1)
         dtype = self.inputs.dtype
         return {"encoder_hidden_states": text.to(dtype), "text_embeds": out_2.text_embeds.to(dtype)}
-
-    def latent_shape(self, height, width, frames, batch):
-        return (batch, self.latent_channels, height // self.scale_factor, width // self.scale_factor)
-
-    def pixels(self, height, width, frames, batch):
-        from fitfinder.models._common import image_pixels
-
-        return image_pixels(self.inputs, height, width, batch)
-
-    def encode_images(self, vae, pixels):
-        return vae.encode(pixels).latent_dist.sample() * self.scaling
-
-    def decode(self, vae, latents):
-        return vae.decode(latents / self.scaling).sample
 
     def noisy_and_target(self, latents, noise, t):
         """DDPM: x_t = sqrt(a) x + sqrt(1 - a) noise at step t * 999; the model predicts the noise."""

@@ -7,6 +7,7 @@ AI Toolkit: extensions_built_in/diffusion_models/z_image/z_image.py (ZImageModel
 
 from __future__ import annotations
 
+from fitfinder.models._common import FlowImageLatents
 from fitfinder.models._family import Family
 
 # LoRA targets: ZImageModel.get_transformer_block_names is ["layers"], and LoRANetwork.create_modules
@@ -34,15 +35,12 @@ FAMILY = Family(
 )
 
 
-class Recipe:
+class Recipe(FlowImageLatents):
     """What Z-Image computes; built by probe children (its methods import torch)."""
 
     def __init__(self, arch: dict, inputs):
-        vae = arch["parts"]["vae"]
         self.inputs = inputs
-        self.scale_factor = 2 ** (len(vae["block_out_channels"]) - 1)
-        self.latent_channels = vae["latent_channels"]
-        self.scaling, self.shift = vae.get("scaling_factor", 0.3611), vae.get("shift_factor", 0.1159)
+        self.read_autoencoder_kl(arch["parts"]["vae"], scaling=0.3611, shift=0.1159)
         # ZImageModel.get_bucket_divisibility: 8 for the VAE, 2 for the patch.
         self.divisor = self.scale_factor * int(arch["parts"]["transformer"].get("all_patch_size", [2])[0])
 
@@ -57,25 +55,6 @@ class Recipe:
         text = out.hidden_states[-2]
         del out
         return {"cap_feats": text.to(self.inputs.dtype)}
-
-    def latent_shape(self, height, width, frames, batch):
-        return (batch, self.latent_channels, height // self.scale_factor, width // self.scale_factor)
-
-    def pixels(self, height, width, frames, batch):
-        from fitfinder.models._common import image_pixels
-
-        return image_pixels(self.inputs, height, width, batch)
-
-    def encode_images(self, vae, pixels):
-        return (vae.encode(pixels).latent_dist.sample() - self.shift) * self.scaling
-
-    def decode(self, vae, latents):
-        return vae.decode(latents / self.scaling + self.shift).sample
-
-    def noisy_and_target(self, latents, noise, t):
-        from fitfinder.models._common import flow_noisy_and_target
-
-        return flow_noisy_and_target(latents, noise, t)
 
     def predict(self, denoiser, latents, t, cond, guidance_scale: float = 1.0):
         """ZImageModel.get_noise_prediction: one single-frame latent and one caption per sample as
