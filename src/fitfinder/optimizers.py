@@ -248,23 +248,34 @@ class Ema:
     @torch.no_grad()
     def update(self) -> None:
         for shadow, param in zip(self.shadow, self.params):
-            shadow_fp32 = shadow.float()  # the shadow itself when it is fp32
-            weight_fp32 = param if param.dtype == torch.float32 else param.to(torch.float32)
-            difference = shadow_fp32 - weight_fp32
-            difference.mul_(1.0 - self.decay)
-            shadow_fp32.sub_(difference)
-            del difference, weight_fp32
-            if shadow.dtype != torch.float32:
-                _write_rounded(shadow, shadow_fp32, True)
+            self.update_one(shadow, param)
+
+    def update_one(self, shadow: torch.Tensor, param: torch.Tensor) -> None:
+        """One parameter's step (the estimate meter replays repeats of a layout: meter.RepeatedUpdates)."""
+        shadow_fp32 = shadow.float()  # the shadow itself when it is fp32
+        weight_fp32 = param if param.dtype == torch.float32 else param.to(torch.float32)
+        difference = shadow_fp32 - weight_fp32
+        difference.mul_(1.0 - self.decay)
+        shadow_fp32.sub_(difference)
+        del difference, weight_fp32
+        if shadow.dtype != torch.float32:
+            _write_rounded(shadow, shadow_fp32, True)
 
     @contextlib.contextmanager
     def swapped_in(self):
         """The shadow in the weights for a preview; the stored copy outlives it (AI Toolkit's)."""
         with torch.no_grad():
-            self.stored = [param.clone() for param in self.params]
+            self.stored = [self.copy_of(param) for param in self.params]
             for shadow, param in zip(self.shadow, self.params):
-                param.data.copy_(shadow.data)
+                self.write(param, shadow)
         yield
         with torch.no_grad():
             for stored, param in zip(self.stored, self.params):
-                param.data.copy_(stored.data)
+                self.write(param, stored)
+
+    # One tensor each, so that the estimate meter can replay repeats of a layout (meter.RepeatedUpdates).
+    def copy_of(self, param: torch.Tensor) -> torch.Tensor:
+        return param.clone()
+
+    def write(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        target.data.copy_(source.data)

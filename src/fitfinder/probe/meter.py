@@ -273,6 +273,9 @@ class _PhaseClock:
         """`make()`; only the estimate meter replays a repeat of the same `key` (see EstimateMeter)."""
         return make()
 
+    def replay_repeated_updates(self, optimizer=None, ema=None) -> None:
+        """Only the estimate meter replays per-parameter updates of the same layout (RepeatedUpdates)."""
+
 
 class SimMeter(_PhaseClock):
     """CPU stand-in for a GPU of `budget_bytes`: live tensor bytes, OOM past the budget."""
@@ -434,6 +437,11 @@ class EstimateMeter(SimMeter):
         blocks.install(*parts)
         return blocks
 
+    def replay_repeated_updates(self, optimizer=None, ema=None) -> RepeatedUpdates:
+        updates = RepeatedUpdates(self.tracker)
+        updates.install(optimizer, ema)
+        return updates
+
     def describe(self) -> str:
         return f"estimate meter (fake tensors), {self.overhead.describe()}"
 
@@ -525,6 +533,131 @@ class RepeatedBlocks:
         tracker.peak_allocated_bytes = max(tracker.peak_allocated_bytes, tracker.allocated_bytes + allocator_rise)
         inputs = list(tensors_returned((args, kwargs)))
         return tree_map_only((_Made, _Given), lambda d: d.make(inputs), structure)
+
+
+class RepeatedUpdates:
+    """Per-parameter updates that change tensors in place run once per layout; repeats replay them.
+
+    An optimizer step over a LoRA (FLUX.1-dev: 988 tensors of a few dozen shapes) runs the same
+    ops once per tensor, and so does the EMA after it; on fake tensors those ops cost ~100 us each
+    whatever the values, and a training step's optimizer and EMA were a fifth of its estimate.
+    The first update of each key (the parameter's and its gradient's layouts, its state's, the
+    settings) runs and is measured: its peak over the live bytes it started from. A repeat makes
+    that peak again over what is live then, and runs `skipped` for what it changes in Python (a
+    step counter). Only updates that leave the live storages exactly as they found them are
+    replayed -- the same storages of the same sizes (bitsandbytes' update_step writes its 8-bit
+    moments in place); one that makes or replaces a tensor (a state's first step, Adafactor's
+    RMS) always runs.
+
+    Hooked per instance: bitsandbytes' `update_step(group, p, gindex, pindex)`, which its
+    `Optimizer8bit.step` calls for each parameter with a gradient, and `optimizers.Ema`'s
+    `update_one(shadow, param)`.
+    """
+
+    def __init__(self, tracker: AllocatorTracker):
+        self.tracker = tracker
+        self.traces: dict[tuple, tuple[int, int] | None] = {}  # key -> (peak rise, allocator peak rise) or None
+        self.replayed = 0
+
+    def install(self, optimizer=None, ema=None) -> None:
+        if hasattr(optimizer, "update_step") and hasattr(optimizer, "get_config"):  # bitsandbytes
+            self._wrap_bitsandbytes(optimizer)
+        if ema is not None:
+            self._wrap_ema(ema)
+
+    def _wrap_ema(self, ema) -> None:
+        update_one, copy_of, write = ema.update_one, ema.copy_of, ema.write
+
+        def updated(shadow, param):
+            key = ("ema update", ema.decay, self._layout(shadow), self._layout(param))
+            self.run(key, lambda: update_one(shadow, param), lambda: None)
+
+        def written(target, source):
+            key = ("ema write", self._layout(target), self._layout(source))
+            self.run(key, lambda: write(target, source), lambda: None)
+
+        ema.update_one, ema.write = updated, written
+        ema.copy_of = lambda param: self.made(("ema copy", self._layout(param)), lambda: copy_of(param))
+
+    def _wrap_bitsandbytes(self, optimizer) -> None:
+        update_step = optimizer.update_step
+
+        def stepped(group, p, gindex, pindex):
+            state = optimizer.state[p]
+            config = optimizer.get_config(gindex, pindex, group)
+            key = ("bitsandbytes", type(optimizer), repr(sorted(config.items())), self._layout(p),
+                   self._layout(p.grad), tuple((name, self._layout(value)) for name, value in state.items()
+                                              if isinstance(value, torch.Tensor)))
+
+            def counted():  # what update_step does besides the ops: `state["step"] += 1`
+                state["step"] += 1
+
+            self.run(key, lambda: update_step(group, p, gindex, pindex), counted)
+
+        optimizer.update_step = stepped
+
+    def _layout(self, tensor: torch.Tensor | None) -> tuple | None:
+        if tensor is None:
+            return None
+        if is_traceable_wrapper_subclass(tensor):
+            return (type(tensor), tuple(self._layout(inner) for inner in inner_tensors(tensor)))
+        storage = tensor.untyped_storage()
+        return (tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), tensor.dtype, tensor.device,
+                storage.nbytes(), storage._cdata in self.tracker.live, tensor.requires_grad)
+
+    def run(self, key: tuple, update, skipped) -> None:
+        tracker = self.tracker
+        key = (key, tracker.paused > 0)
+        if key in self.traces:
+            trace = self.traces[key]
+            if trace is None:
+                update()
+                return
+            self.replayed += 1
+            tracker.peak_bytes = max(tracker.peak_bytes, tracker.live_bytes + trace[0])
+            tracker.peak_allocated_bytes = max(tracker.peak_allocated_bytes, tracker.allocated_bytes + trace[1])
+            skipped()
+            return
+        before = dict(tracker.live)
+        live, allocated = tracker.live_bytes, tracker.allocated_bytes
+        peaks = tracker.peak_bytes, tracker.peak_allocated_bytes
+        tracker.peak_bytes, tracker.peak_allocated_bytes = live, allocated
+        update()
+        rises = tracker.peak_bytes - live, tracker.peak_allocated_bytes - allocated
+        tracker.peak_bytes = max(peaks[0], tracker.peak_bytes)
+        tracker.peak_allocated_bytes = max(peaks[1], tracker.peak_allocated_bytes)
+        in_place = tracker.live == before and tracker.allocated_bytes == allocated
+        self.traces[key] = rises if in_place else None
+
+    def made(self, key: tuple, make) -> torch.Tensor:
+        """`make()`, which returns one new tensor (a copy); a repeat of `key` makes a fresh fake tensor
+        of the same layout instead, with the same peak. Replayed only when the first call's tensor
+        was a storage of its own, just large enough, and nothing else stayed alive or went."""
+        tracker = self.tracker
+        key = (key, tracker.paused > 0)
+        trace = self.traces.get(key, ())
+        if trace is None:
+            return make()
+        if trace:
+            self.replayed += 1
+            rise, allocator_rise, (shape, stride, dtype, device) = trace
+            tracker.peak_bytes = max(tracker.peak_bytes, tracker.live_bytes + rise)
+            tracker.peak_allocated_bytes = max(tracker.peak_allocated_bytes, tracker.allocated_bytes + allocator_rise)
+            return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        before = dict(tracker.live)
+        live, allocated = tracker.live_bytes, tracker.allocated_bytes
+        peaks = tracker.peak_bytes, tracker.peak_allocated_bytes
+        tracker.peak_bytes, tracker.peak_allocated_bytes = live, allocated
+        out = make()
+        rises = tracker.peak_bytes - live, tracker.peak_allocated_bytes - allocated
+        tracker.peak_bytes = max(peaks[0], tracker.peak_bytes)
+        tracker.peak_allocated_bytes = max(peaks[1], tracker.peak_allocated_bytes)
+        storage = out.untyped_storage()
+        own = (not is_traceable_wrapper_subclass(out) and storage._cdata not in before and out.storage_offset() == 0
+               and storage.nbytes() == _strided_nbytes(out)
+               and tracker.live == {**before, storage._cdata: storage.nbytes()})
+        self.traces[key] = (*rises, (tuple(out.shape), out.stride(), out.dtype, out.device)) if own else None
+        return out
 
 
 @dataclass(frozen=True)

@@ -317,6 +317,7 @@ def _train(pipe, request: dict, prompts: dict, result: dict, ema=None):
         pipe.parts[name].train()
     with pipe.meter.concrete():  # bitsandbytes builds its code books from values
         optimizer = _optimizer(request, pipe, trained)
+    pipe.meter.replay_repeated_updates(optimizer)  # the estimate's: each layout's update runs once
     steps, accumulation = request["steps"], max(1, request["accumulation"])
     if request.get("prime_optimizer") and pipe.offloaded & set(trained):
         # Offloaded layers leave their last copies in the device's rings (models/_offload.py), so a
@@ -467,7 +468,9 @@ def _ema(pipe, request: dict):
         return None
     from fitfinder import optimizers  # torch: only in the child
 
-    return optimizers.Ema(pipe.trainable_parameters(request["trained"]), request["ema_decay"])
+    ema = optimizers.Ema(pipe.trainable_parameters(request["trained"]), request["ema_decay"])
+    pipe.meter.replay_repeated_updates(ema=ema)  # the estimate's: each layout's update and copy runs once
+    return ema
 
 
 def _ema_weights(ema):
