@@ -32,6 +32,8 @@ FAMILY = Family(
     quantized_text_encoders=("text_encoder",),
     text_seq_len=512,
     tokenizer="tokenizer",
+    placement=wan21.FAMILY.placement,  # Wan225bModel.load_model is Wan21.load_model
+    low_vram=wan21.FAMILY.low_vram,
 )
 
 
