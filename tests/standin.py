@@ -9,6 +9,8 @@ phase "runs out of memory" and the later phases do not run, as in a real probe.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fitfinder import jobconfig, search, space as spaces
 
 MiB = 2**20
@@ -35,7 +37,12 @@ fitfinder: {weights: random}
 
 
 def make_space(text: str = JOB) -> spaces.Space:
-    return spaces.build(jobconfig.loads(text, "standin.yaml"))
+    """The job's space, its low_vram claiming every phase: the stand-in's low_vram lightens the weights
+    everywhere (as Wan 2.2's keeps one expert on the device), where FLUX.1's moves only the load."""
+    space = spaces.build(jobconfig.loads(text, "standin.yaml"))
+    knobs = [replace(knob, phases=frozenset(spaces.PHASES)) if knob.name == "low_vram" else knob
+             for knob in space.knobs]
+    return spaces.Space(knobs, space.job)
 
 
 def phase_peaks(point: dict) -> dict[str, int]:

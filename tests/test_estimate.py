@@ -102,7 +102,8 @@ def test_the_wan22_example_runs_through_the_estimate(runner):
     found = estimate.run(job, runner, GpuOverhead())
     assert found.arch_name == "wan22-14b" and list(found.phases) == ALL_PHASES
     assert found.fits  # the 24 GB example: 4-bit experts, one on the card at a time, text embeddings cached
-    assert found.phase_stats["load"]["peak_live"] < 2**20  # low_vram: everything loads in host memory
+    # low_vram: the experts stay on the CPU (Wan2214bModel); UMT5 comes in bf16 and is quantized there
+    assert 10 * GiB < found.phase_stats["load"]["peak_live"] < 11 * GiB
     assert found.phases["train"] > 10 * GiB  # one 14B expert at 4 bit, UMT5 gone, activations of 1024 px
 
 

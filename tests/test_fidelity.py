@@ -166,11 +166,13 @@ def test_ema_holds_an_fp32_copy_of_the_lora_and_clones_it_around_previews(run_ti
     plain = run_tiny("flux", {"model.quantize": True})
     ema = run_tiny("flux", {"model.quantize": True, "train.ema_config": {"use_ema": True}})
     assert plain["status"] == ema["status"] == "ok"
-    # the shadow is made before the first preview (AI Toolkit makes it before caching: see
-    # docs/fidelity.md), and a preview holds the shadow and the stored weights: twice the LoRA
+    # a preview holds the shadow and the stored weights: twice the LoRA; the shadow is made with the
+    # optimizer, before any caching (BaseSDTrainProcess.setup_ema), so the phases before it hold one
     lora = (ema["phases"]["sample"] - plain["phases"]["sample"]) // 2
-    assert lora > 0 and ema["phases"]["text_encoder"] == plain["phases"]["text_encoder"]
-    assert ema["phases"]["last_sample"] - plain["phases"]["last_sample"] == 2 * lora
+    assert lora > 0 and ema["phases"]["last_sample"] - plain["phases"]["last_sample"] == 2 * lora
+    for phase in ("text_encoder", "latents"):
+        assert ema["phases"][phase] - plain["phases"][phase] == lora, phase
+    assert ema["phases"]["load"] >= plain["phases"]["load"]
 
 
 # -- item 8: the allocator -------------------------------------------------------------------------
@@ -412,3 +414,125 @@ def test_a_qint4_job_probes_and_estimates_to_the_same_bytes():
     assert sim["status"] == fake["status"] == "ok", (sim.get("error"), fake.get("error"))
     measured = {phase: stats["peak_allocated"] for phase, stats in sim["phase_stats"].items()}
     assert {phase: stats["peak_live"] for phase, stats in fake["phase_stats"].items()} == measured
+
+
+# -- item 5: low_vram and each part's placement, as each family's loader does it ---------------------
+LOAD_ONLY = ["flux", "sd3", "wan21", "wan22_5b", "hidream", "flux2", "flux2_klein"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", LOAD_ONLY)
+def test_low_vram_lowers_only_the_load_and_every_part_is_on_the_device_after(family, run_tiny):
+    """FLUX.1 and SD3 (load_model: the transformer quantized in host memory, then moved; T5 in bf16
+    and quantized on the device beside it), Wan 2.1 and 2.2 5B (the transformer parked on the CPU
+    while UMT5 is quantized), HiDream (Llama and the transformer parked until T5 is quantized),
+    FLUX.2 and Klein (the transformer waits, the encoder goes back to the CPU until it encodes):
+    low_vram never raises the load peak (tiny encoders can leave it where it was); every later phase
+    holds what it holds without low_vram."""
+    eight_bit = {"model.quantize": True, "model.quantize_te": True, "train.ema_config": {"use_ema": True}}
+    plain, low = run_tiny(family, eight_bit), run_tiny(family, {**eight_bit, "model.low_vram": True})
+    assert plain["status"] == low["status"] == "ok", (plain["error"], low["error"])
+    assert low["phases"]["load"] <= plain["phases"]["load"]
+    assert list(low["phases"]) == list(plain["phases"])
+    for phase in list(plain["phases"])[1:]:
+        # but 16 KiB that quanto allocates once per process at its first quantization: counted when
+        # that one runs on the device, not when it runs in host memory (measured: the same 16 KiB
+        # in every family, and none once a process has quantized before)
+        assert 0 <= plain["phases"][phase] - low["phases"][phase] <= 16 * 1024, phase
+
+
+def _loaded(family: str, changes: dict):
+    """A tiny job's pipeline loaded on the sim meter, and the meter (its load phase's peak read back)."""
+    from fitfinder.probe import meter as meters
+
+    request = probe.request_for(tiny_job(family, changes), 1, "sim", None)
+    meter = meters.SimMeter(None)
+    with meter, meter.phase("load"):
+        pipe = models.load_pipeline(request["model"], request, meter)
+    return pipe, meter
+
+
+def _bf16_bytes(module) -> int:
+    return sum(2 * param.numel() for param in module.parameters())
+
+
+def _frozen_bytes(module) -> int:
+    """The bytes of a part's own weights (a quantized one's inner tensors), its LoRA left out."""
+    from fitfinder.probe.meter import inner_tensors
+
+    held = [*(p for p in module.parameters() if not p.requires_grad), *module.buffers()]
+    return sum(inner.untyped_storage().nbytes() for tensor in held for inner in inner_tensors(tensor))
+
+
+def test_flux_with_low_vram_holds_the_quantized_transformer_and_bf16_t5_together_at_load():
+    """stable_diffusion_model.py load_model (is_flux): the 8-bit transformer is on the device when
+    T5 arrives in bf16 to be quantized there; after load every part is on the device."""
+    plain, plain_meter = _loaded("flux", {"model.quantize": True})
+    pipe, meter = _loaded("flux", {"model.quantize": True, "model.low_vram": True})
+    assert pipe.on_device == plain.on_device == set(pipe.family.parts)
+    # at T5's quantization the 8-bit transformer (its LoRA comes later), CLIP and T5 in bf16 are on the
+    # device together
+    together = _frozen_bytes(pipe.parts["transformer"]) + _frozen_bytes(pipe.parts["text_encoder"]) + \
+        _bf16_bytes(pipe.parts["text_encoder_2"])
+    assert meter.phases["load"]["peak_reserved"] >= together
+    # without low_vram the bf16 transformer itself was on the device: a higher load
+    assert plain_meter.phases["load"]["peak_reserved"] > meter.phases["load"]["peak_reserved"]
+
+
+@pytest.mark.parametrize("family", ["zimage", "qwen_image", "ltx2"])
+def test_a_transformer_quantized_in_host_memory_waits_there_while_the_encoder_is_quantized(family, monkeypatch):
+    """Z-Image, Qwen-Image and LTX-2 (load_model; quantize_model): the transformer reaches the device
+    after the text encoder was quantized on it, low_vram or not, so the bf16 encoder never meets it:
+    a lower load peak than AI Toolkit's shared placement (each part stays once loaded) gives."""
+    from dataclasses import replace
+
+    eight_bit = {"model.quantize": True, "model.quantize_te": True}
+    peaks = {}
+    for low_vram in (False, True):
+        pipe, meter = _loaded(family, {**eight_bit, "model.low_vram": low_vram})
+        assert pipe.on_device == set(pipe.family.parts)
+        peaks[low_vram] = meter.phases["load"]["peak_reserved"]
+    assert peaks[False] == peaks[True]
+    monkeypatch.setitem(models.FAMILIES, family, replace(models.FAMILIES[family], placement={
+        part: where for part, where in models.FAMILIES[family].placement.items() if part != "transformer"}))
+    _, shared = _loaded(family, eight_bit)
+    assert peaks[False] < shared.phases["load"]["peak_reserved"]
+
+
+def test_wan22_with_low_vram_holds_one_expert_and_only_while_it_predicts():
+    """Wan2214bModel: the experts stay on the CPU after load (DualWanTransformer3DModel.to does
+    nothing) and its forward swaps them: one on the device, in previews and training alone."""
+    wan22 = models.FAMILIES["wan22"]
+    low = {"low_vram": True, "text_encoder": "keep", "cache_latents": False,
+           "trained": ["transformer", "transformer_2"]}
+    assert probe.resident("text_encoder", low, wan22) == {"text_encoder", "vae"}
+    assert probe.resident("latents", low, wan22) == {"text_encoder", "vae"}
+    assert probe.resident("train", low, wan22, active="transformer_2") == {"transformer_2", "text_encoder", "vae"}
+    assert probe.resident("train", {**low, "low_vram": False}, wan22) == {*wan22.denoisers, "text_encoder", "vae"}
+    pipe, _ = _loaded("wan22", {"model.low_vram": True})
+    assert pipe.on_device == {"text_encoder", "vae"}
+
+
+def test_wan21_i2v_with_low_vram_sends_umt5_and_the_image_encoder_back_until_used():
+    """Wan21I2V.load_model: UMT5 and the CLIP vision tower go to the CPU once loaded under low_vram;
+    get_noise_prediction brings the tower at the first step. Without low_vram no preset moves it."""
+    i2v = models.FAMILIES["wan21_i2v"]
+    pipe, _ = _loaded("wan21_i2v", {"model.low_vram": True})
+    assert pipe.on_device == {"transformer", "vae"}
+    request = {"low_vram": True, "text_encoder": "keep", "cache_latents": True, "trained": ["transformer"]}
+    assert "image_encoder" not in probe.resident("sample", request, i2v)
+    assert "image_encoder" in probe.resident("train", request, i2v)
+    plain = {**request, "low_vram": False, "text_encoder": "cache"}
+    assert all("image_encoder" in probe.resident(phase, plain, i2v)
+               for phase in ("text_encoder", "latents", "sample", "train", "last_sample"))
+
+
+def test_families_whose_loader_never_reads_low_vram_have_no_low_vram_knob():
+    """SDXL, Lumina 2, Chroma, Kontext, Flex.2 (never read it), Qwen-Image and Z-Image (the same
+    placement either way): low_vram moves no peak, so the search has no such knob for them."""
+    from fitfinder import space as spaces
+
+    for family in ("sdxl", "lumina2", "chroma", "flux_kontext", "flex2", "qwen_image", "zimage"):
+        assert models.FAMILIES[family].low_vram_moves == frozenset(), family
+        assert "low_vram" not in spaces.build(tiny_job(family)).by_name, family
+    assert spaces.build(tiny_job("flux")).by_name["low_vram"].phases == {"load"}

@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
 from fitfinder.errors import ConfigError
@@ -40,10 +40,12 @@ _PREVIEW = frozenset({"sample", "last_sample"})
 QUALITY_ORDER = ("buckets", "frames", "rank", "quantize", "optimizer", "ema",
                  "sampling", "sample_size", "sample_frames", "text_encoder")
 # The speed knobs' order. The search climbs the speed knob with the most levels one step at a
-# time, then raises the others in this order, each alone before two together. Layer offloading
-# comes last: it costs the most speed (every offloaded layer crosses to the card in each forward
-# and again in each backward) and it is the last move of the seeds' rollback, so a job that fits
-# without it never depends on it, and the search's tie-break takes the least offloading that fits
+# time, then raises the others in this order, each alone before two together. low_vram lightens
+# training only where the family's loader makes it (Wan 2.2's one expert at a time); for FLUX.1 it
+# lowers the load alone and costs load time, not step time. Layer offloading comes last: it costs
+# the most speed (every offloaded layer crosses to the card in each forward and again in each
+# backward) and it is the last move of the seeds' rollback, so a job that fits without it never
+# depends on it, and the search's tie-break takes the least offloading that fits
 # (search.planner.best), since the sim meter's host-to-device copies cost no real time.
 SPEED_ORDER = ("gradient_checkpointing", "batch", "low_vram", "layer_offloading")
 
@@ -375,11 +377,11 @@ def _ema(job: JobFile, override: list | None, video: bool) -> Knob | None:
         return None  # never past the desired point: no EMA asked, none added
     values = [False, True] if override is None else _with_desired(
         override, desired, lambda v: isinstance(v, bool), "true or false")
-    # A shadow of the trained weights from before the first preview on, and a stored copy of
-    # them from the first preview on (AI Toolkit's toolkit/ema.py): for a full fine-tune, two
-    # more copies of the model.
+    # A shadow of the trained weights from the end of the load on (BaseSDTrainProcess.setup_ema, before
+    # any caching), and a stored copy of them from the first preview on (AI Toolkit's toolkit/ema.py):
+    # for a full fine-tune, two more copies of the model.
     return Knob("ema", "quality", tuple(v for v in (False, True) if v in values), desired,
-                ("train.ema_config.use_ema",), frozenset({"sample", "train", "last_sample"}))
+                ("train.ema_config.use_ema",), _ALL)
 
 
 def _apply_ema(job: JobFile, on: bool, space: Space) -> None:
@@ -505,7 +507,18 @@ def _switch(name: str, path: str, phases: frozenset, light: bool):
 
 _checkpointing, _apply_checkpointing = _switch("gradient_checkpointing", "train.gradient_checkpointing",
                                                frozenset({"train"}), light=True)
-_low_vram, _apply_low_vram = _switch("low_vram", "model.low_vram", _ALL, light=True)
+_low_vram_switch, _apply_low_vram = _switch("low_vram", "model.low_vram", _ALL, light=True)
+
+
+def _low_vram(job: JobFile, override: list | None, video: bool) -> Knob | None:
+    """model.low_vram moves only what the family's AI Toolkit loader and model class do with it
+    (Family.low_vram_moves): for FLUX.1 the load alone, for SDXL nothing, so no knob there."""
+    from fitfinder.models import family_for
+
+    phases = family_for(job).low_vram_moves
+    if not phases and override is None:
+        return None
+    return replace(_low_vram_switch(job, override, video), phases=phases)
 
 
 # -- layer offloading: model.layer_offloading + its percents ---------------------------------------

@@ -17,6 +17,46 @@ from dataclasses import dataclass, field
 from fitfinder.errors import UserError
 
 
+PHASES_AFTER_LOAD = frozenset({"text_encoder", "latents", "sample", "train", "last_sample"})
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where AI Toolkit keeps one part: while the model loads, and in each phase after.
+
+    The default (`SHARED`) is what AI Toolkit's shared code does with a part whose loader says
+    nothing: it comes onto the device in full precision and is quantized there
+    (toolkit/util/quantize.py `quantize` on a part already moved), it stays there, and after the
+    load the device presets place it by its kind (toolkit/stable_diffusion_model.py
+    `set_device_state_preset`; SDTrainer `hook_before_train_loop`, see probe.recipe.resident).
+    AI Toolkit commit 27a03a91.
+    """
+
+    # While loading. `quantized_on`: "device" (arrives whole in full precision, quantized there) or
+    # "host" (quantized in host memory, or a block at a time on the device and back, as
+    # toolkit/util/quantize.py quantize_model does: it reaches the device quantized). `after_load`:
+    # "stays" on the device once loaded; "waits" in host memory until every later part is loaded,
+    # then comes; "waits if quantized" (quantize_model leaves the blocks on the CPU); "leaves" for
+    # host memory, to come back only when a phase wants it.
+    quantized_on: str = "device"
+    after_load: str = "stays"
+    # After load. `also_in`: phases it is on the device in beyond what the presets say (a part the
+    # presets do not know is in none of them by the presets). `only_in`: phases outside which it is
+    # never on the device (None: no limit). `only_when_active`: of several denoisers, on the device
+    # only while it predicts. `follows`: on the device exactly when that part is, while loading too.
+    also_in: frozenset = frozenset()
+    only_in: frozenset | None = None
+    only_when_active: bool = False
+    follows: str | None = None
+
+    def waits(self, quantized: bool) -> bool:
+        return self.after_load == "waits" or (self.after_load == "waits if quantized" and quantized)
+
+
+SHARED = Placement()
+EVERY_PHASE = Placement(also_in=PHASES_AFTER_LOAD)  # a part no preset moves: where it was loaded
+
+
 @dataclass(frozen=True)
 class Family:
     """The parts of one kind of pipeline, by diffusers folder name, and how AI Toolkit treats them."""
@@ -48,34 +88,26 @@ class Family:
     index_defaults: dict = field(default_factory=dict)
     # Denoiser -> `model.model_kwargs` key that turns its training off (Wan 2.2's two experts).
     expert_switches: dict = field(default_factory=dict)
-    # The VAE stays on the device through training although latents are cached: the family encodes
-    # a conditioning image at every step (Kontext's reference, Flex.2's control).
-    vae_in_train: bool = False
     # The text encoders of `quantized_text_encoders` follow `model.quantize` instead of `model.quantize_te`
     # (SD3: AI Toolkit's is_v3 loader quantizes T5 whenever it quantizes the transformer).
     te_quantized_with_denoiser: bool = False
-    # Parts that encode each training sample's conditioning for the denoiser (Wan 2.1 I2V's CLIP
-    # vision tower), loaded after the VAE, never quantized, never unloaded: AI Toolkit's device
-    # presets leave them where they are (see probe.resident).
-    conditioners: tuple[str, ...] = ()
-    # Parts beside denoisers, encoders and VAE, each -> the part whose device placement it follows
-    # (LTX-2's text connectors, audio VAE and vocoder go where its transformer goes).
-    companions: dict = field(default_factory=dict)
+    # Parts beside denoisers, encoders and VAE, loaded after the VAE (Wan 2.1 I2V's CLIP vision tower,
+    # LTX-2's text connectors, audio VAE and vocoder); where they are is their `placement`.
+    others: tuple[str, ...] = ()
     # Part -> attribute paths AI Toolkit sets to None right after loading it (LTX-2's Gemma 3 vision tower).
     dropped: dict = field(default_factory=dict)
     # The order AI Toolkit's loader brings the parts onto the device when it is not `parts`
     # (denoisers, encoders, VAE): HiDream loads and quantizes Llama before the transformer, so the
     # bf16 transformer lands next to an already quantized Llama. Empty: `parts`.
     load_order: tuple[str, ...] = ()
-    # Where AI Toolkit's loader quantizes a part, "host" or "device", when that does not follow
-    # low_vram (host with it, device without): FLUX.2 and Z-Image quantize their transformer in host
-    # memory always (quantize_model, OstrisModelMixin.quantize_: a block at a time on the device, back
-    # to the CPU) and FLUX.2 its Mistral on the device always, in bf16 there first, then parks it on
-    # the CPU under low_vram.
-    quantized_on: dict = field(default_factory=dict)
-    # Parts that stay on the device once loaded, low_vram or not (Qwen-Image's Qwen2.5-VL: loaded and
-    # quantized on the device, where AI Toolkit leaves it).
-    kept_on_device: tuple[str, ...] = ()
+    # Where each part is, while loading and in each phase: part -> Placement, for the parts whose
+    # loader or model class departs from AI Toolkit's shared code (`SHARED`), without low_vram (`placement`)
+    # and with it (`low_vram`; a part it leaves out is placed as without). Read by models._pipeline.load
+    # (the load) and probe.recipe.resident (the phases) only.
+    placement: dict = field(default_factory=dict)
+    low_vram: dict = field(default_factory=dict)
+    # Phases whose computation the family's Recipe changes with low_vram (LTX-2's frame-wise VAE tiles).
+    low_vram_in_recipe: frozenset = frozenset()
     # AI Toolkit's loader attaches its MemoryManager under `model.layer_offloading` (the block swap,
     # see models/_offload.py) to the denoiser(s), with layer_offloading_transformer_percent, and the
     # text encoder, with layer_offloading_text_encoder_percent. The loaders of FLUX.1, SDXL, SD3,
@@ -84,7 +116,30 @@ class Family:
 
     @property
     def parts(self) -> tuple[str, ...]:
-        return (*self.denoisers, *self.text_encoders, "vae", *self.conditioners, *self.companions)
+        return (*self.denoisers, *self.text_encoders, "vae", *self.others)
+
+    def placed(self, part: str, low_vram: bool) -> Placement:
+        """Where `part` is, as this family declares it or AI Toolkit's shared code puts it."""
+        declared = self.low_vram if low_vram and part in self.low_vram else self.placement
+        return declared.get(part, SHARED)
+
+    @property
+    def low_vram_moves(self) -> frozenset:
+        """The phases whose peak `model.low_vram` can change for this family: the load where a part
+        is loaded or quantized elsewhere with it, the phases where a part is placed otherwise, and
+        the recipe's own (space.py's low_vram knob claims exactly these)."""
+        moved = set(self.low_vram_in_recipe)
+        for part in self.parts:
+            plain, low = self.placed(part, False), self.placed(part, True)
+            if (plain.quantized_on, plain.after_load) != (low.quantized_on, low.after_load):
+                moved.add("load")
+            moved |= plain.also_in ^ low.also_in
+            if plain.only_in != low.only_in:
+                moved |= (PHASES_AFTER_LOAD - (plain.only_in or PHASES_AFTER_LOAD)) | \
+                         (PHASES_AFTER_LOAD - (low.only_in or PHASES_AFTER_LOAD))
+            if (plain.only_when_active, plain.follows) != (low.only_when_active, low.follows):
+                moved |= PHASES_AFTER_LOAD
+        return frozenset(moved)
 
     def frame_ladder(self, desired: int) -> list[int]:
         """Clip lengths of the frame_step*k+1 form, halving k: 81 -> 41, 21, 9(k=2), 5, 1 for step 4."""

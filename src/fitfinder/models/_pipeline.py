@@ -1,14 +1,13 @@
 """A job's pipeline inside a probe: its parts, which of them are on the device, its LoRA.
 
 Loading follows AI Toolkit's order and placement: the denoiser(s) first, then the text
-encoder(s), then the VAE. Without `low_vram` each part goes onto the device as it is loaded and
-is quantized there (the full-precision weights sit on the device until their layer is swapped,
-which is why quantizing a large model can run out of memory at load). With `low_vram` every part
-is loaded and quantized in host memory and comes onto the device only when a phase uses it.
-A family says where its loader departs from that (Family.quantized_on: FLUX.2, Z-Image and
-Qwen-Image quantize the transformer in host memory either way, FLUX.2 its Mistral on the device;
-Family.kept_on_device: Qwen-Image's text encoder stays on the device), the order it loads in
-(Family.load_order) and what it drops from a part before placing it (Family.dropped).
+encoder(s), then the VAE (or the family's Family.load_order). By default each part goes onto the
+device as it is loaded and is quantized there (the full-precision weights sit on the device until
+their layer is swapped, which is why quantizing a large model can run out of memory at load), and
+stays. Where a family's loader departs from that, with or without `low_vram`, its Family.placement
+and Family.low_vram say so (models/_family.py, Placement): FLUX.1 quantizes its transformer in host
+memory under low_vram, Wan 2.1 parks it there while UMT5 loads, and so on. What a family drops
+from a part before placing it is Family.dropped.
 """
 
 from __future__ import annotations
@@ -64,15 +63,20 @@ class Pipeline:
 
 
 def load(spec: dict, settings: dict, meter) -> Pipeline:
-    """Every part, quantized as the job says, with a LoRA on each trained denoiser."""
+    """Every part, quantized as the job says, with a LoRA on each trained denoiser.
+
+    Each part goes where its Placement says (models/_family.py): onto the device whole and quantized
+    there, or quantized in host memory first; then it stays, waits in host memory until the later
+    parts are loaded, or leaves for a phase to bring back. A part that follows another comes with it.
+    """
     pipe = Pipeline(spec, settings, meter)
-    low_vram = settings["low_vram"]
-    family = pipe.family
+    family, low_vram = pipe.family, settings["low_vram"]
+    waiting = set()
     for part in family.load_order or family.parts:
+        where = family.placed(part, low_vram)
         qtype = _quantization(family, part, settings)
-        kept = part in family.kept_on_device or not low_vram  # on the device once loaded
-        usual = "device" if kept else "host"
-        on_host = (family.quantized_on.get(part, usual) if qtype else usual) == "host"
+        off_device = where.waits(bool(qtype)) or where.after_load == "leaves"
+        on_host = where.quantized_on == "host" or where.follows is not None
         with meter.host():
             module = _build(spec, part, pipe.dtype, "cpu" if on_host else meter.device, meter)
             for path in family.dropped.get(part, ()):  # gone before anything counts it
@@ -81,12 +85,17 @@ def load(spec: dict, settings: dict, meter) -> Pipeline:
             if qtype and on_host:
                 quantize(module, qtype, meter.repeated)
         pipe.parts[part] = module
-        if not on_host:
-            pipe.place(pipe.on_device | {part})
-            if qtype:
+        if where.follows is None and not (on_host and off_device):
+            pipe.place(pipe.on_device | {part})  # whole, to be quantized here, or quantized already
+            if qtype and not on_host:
                 quantize(pipe.parts[part], qtype, meter.repeated)
-        _offload_layers(pipe, part, settings)
-        pipe.place(pipe.on_device | {part} if kept else pipe.on_device - {part})
+        _offload_layers(pipe, part, settings)  # after quantizing, before the LoRA, wherever the part is
+        if off_device:
+            pipe.place(pipe.on_device - {part})
+        if where.waits(bool(qtype)):
+            waiting.add(part)
+    arrived = pipe.on_device | waiting
+    pipe.place(arrived | {part for part in family.parts if family.placed(part, low_vram).follows in arrived})
     make_trainable = _add_lora if settings["rank"] else _train_whole
     for name in settings["trained"]:
         if name in pipe.on_device:

@@ -8,7 +8,7 @@ AI Toolkit: extensions_built_in/flex2/flex2.py (Flex2) and pipeline.py (Flex2Pip
 from __future__ import annotations
 
 from fitfinder.models import flux
-from fitfinder.models._family import Family
+from fitfinder.models._family import Family, Placement
 
 # Flex2.load_model: FluxTransformer2DModel quantized with model.qtype and moved to the device; T5 on
 # the device in bf16, then quantized with model.qtype when quantize_te; CLIP on the device, never
@@ -27,7 +27,8 @@ FAMILY = Family(
     tokenizer="tokenizer_2",
     # condition_noisy_latents encodes the control image through the VAE at every training step
     # (unless control_dropout drops it), cached latents or not.
-    vae_in_train=True,
+    # (Flex2's loader never reads low_vram.)
+    placement={"vae": Placement(also_in=frozenset({"train"}))},
 )
 
 

@@ -7,7 +7,7 @@ AI Toolkit: toolkit/stable_diffusion_model.py (load_model's is_flux branch; comm
 from __future__ import annotations
 
 from fitfinder.models._common import FlowImageLatents
-from fitfinder.models._family import Family
+from fitfinder.models._family import Family, Placement
 
 # LoRA targets follow AI Toolkit's LoRA network (toolkit/lora_special.py): every Linear layer of
 # both block kinds (attention, MLP, modulation). Quantization (load_model): the transformer with
@@ -25,6 +25,10 @@ FAMILY = Family(
     quantized_text_encoders=("text_encoder_2",),
     text_seq_len=512,  # FluxPipeline's max_sequence_length
     tokenizer="tokenizer_2",
+    # load_model (is_flux): with low_vram the transformer stays in host memory while quanto quantizes
+    # it ("for low v ram, we leave it on the cpu"), then moves to the device; T5 still comes in bf16
+    # and is quantized there, CLIP comes too, and every part stays: low_vram lowers the load peak only.
+    low_vram={"transformer": Placement(quantized_on="host")},
 )
 
 

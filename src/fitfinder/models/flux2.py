@@ -10,7 +10,7 @@ diffusers' Flux2Transformer2DModel and AutoencoderKLFlux2 of the same sizes.
 
 from __future__ import annotations
 
-from fitfinder.models._family import Family
+from fitfinder.models._family import Family, Placement
 
 # Loading (Flux2Model.load_model, load_te): the transformer is quantized with model.qtype while it
 # stays in host memory (toolkit/util/quantize.py quantize_model: one block at a time on the device,
@@ -33,7 +33,13 @@ FAMILY = Family(
     te_qtype_key="qtype",
     text_seq_len=512,  # src/pipeline.py MAX_LENGTH
     tokenizer="tokenizer",  # a diffusers FLUX.2 folder's; its model_max_length may only shorten 512
-    quantized_on={"transformer": "host", "text_encoder": "device"},
+    # Flux2Model.load_model: a quantized transformer waits in host memory (quantize_model) while
+    # Mistral comes in bf16 and is quantized on the device, then comes; an unquantized one comes first.
+    # With low_vram it waits either way, and Mistral goes back to the CPU once loaded: get_prompt_embeds
+    # brings it back when it encodes.
+    placement={"transformer": Placement(quantized_on="host", after_load="waits if quantized")},
+    low_vram={"transformer": Placement(quantized_on="host", after_load="waits"),
+              "text_encoder": Placement(after_load="leaves")},
 )
 
 # src/pipeline.py: OUTPUT_LAYERS_MISTRAL and OUTPUT_LAYERS_QWEN3 (hidden_states indices).

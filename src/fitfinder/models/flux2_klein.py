@@ -9,7 +9,7 @@ Flux2Klein4BModel, Flux2Klein9BModel; flux2_is_guidance_distilled False; commit 
 from __future__ import annotations
 
 from fitfinder.models import flux2
-from fitfinder.models._family import Family
+from fitfinder.models._family import Family, Placement
 
 # Flux2KleinModel.load_te: Qwen3 quantized with model.qtype_te when quantize_te, in host memory,
 # then on the device unless low_vram; the transformer as FLUX.2 dev's (quantized in host memory).
@@ -26,7 +26,10 @@ FAMILY = Family(
     te_qtype_key="qtype_te",
     text_seq_len=512,
     tokenizer="tokenizer",  # a diffusers FLUX.2 folder's; its model_max_length may only shorten 512
-    quantized_on={"transformer": "host", "text_encoder": "host"},
+    # Flux2KleinModel.load_te quantizes Qwen3 in host memory, then it comes to the device (or, not
+    # quantized, comes at once), unless low_vram, where it stays on the CPU (Flux2Model.load_model).
+    placement={**flux2.FAMILY.placement, "text_encoder": Placement(quantized_on="host")},
+    low_vram={**flux2.FAMILY.low_vram, "text_encoder": Placement(quantized_on="host", after_load="leaves")},
 )
 
 

@@ -9,7 +9,7 @@ commit 27a03a91).
 from __future__ import annotations
 
 from fitfinder.models import flux
-from fitfinder.models._family import Family
+from fitfinder.models._family import Family, Placement
 
 # FluxKontextModel.load_model: FluxTransformer2DModel quantized with model.qtype (quantize, freeze)
 # and moved to the device; T5 moved to the device in bf16, then quantized with model.qtype when
@@ -29,7 +29,8 @@ FAMILY = Family(
     tokenizer="tokenizer_2",
     # condition_noisy_latents moves the VAE to the device and encodes the control image at every
     # training step, cached latents or not.
-    vae_in_train=True,
+    # (FluxKontextModel's loader never reads low_vram.)
+    placement={"vae": Placement(also_in=frozenset({"train"}))},
 )
 
 

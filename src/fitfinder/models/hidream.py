@@ -9,7 +9,7 @@ AI Toolkit: extensions_built_in/diffusion_models/hidream/hidream_model.py (Hidre
 from __future__ import annotations
 
 from fitfinder.models._common import FlowImageLatents
-from fitfinder.models._family import Family
+from fitfinder.models._family import Family, Placement
 
 # Load order and quantization (HidreamModel.load_model): Llama 3.1 8B first, onto the device in
 # bf16 and quantized there with model.qtype_te; then the transformer, onto the device whole in
@@ -36,6 +36,11 @@ FAMILY = Family(
     text_seq_len=128,  # HidreamModel.get_prompt_embeds: max_sequence_length = 128, for every encoder
     tokenizer="tokenizer_3",
     load_order=("text_encoder_4", "transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"),
+    # HidreamModel.load_model with low_vram: Llama is quantized on the device, then waits on the CPU;
+    # the transformer stays on the CPU and is quantized a block at a time on the device; both come
+    # back once T5 is loaded and quantized ("move everything to the device").
+    low_vram={"text_encoder_4": Placement(after_load="waits"),
+              "transformer": Placement(quantized_on="host", after_load="waits")},
 )
 
 

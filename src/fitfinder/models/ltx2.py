@@ -9,7 +9,7 @@ LTX25Model, Gemma 4 and pre-quantized ConvRot files) are other architectures: no
 
 from __future__ import annotations
 
-from fitfinder.models._family import Family
+from fitfinder.models._family import Family, Placement
 
 # Parts (LTX2Model.load_model): the transformer, quantized with model.qtype (quantize_model), parked on
 # the CPU with low_vram until the first prediction moves it (get_noise_prediction); Gemma 3 with its
@@ -39,8 +39,16 @@ FAMILY = Family(
     te_qtype_key="qtype_te",  # load_model: quantize(text_encoder, weights=get_qtype(model_config.qtype_te))
     text_seq_len=1024,  # get_prompt_embeds' max_length, and pad_embeds' target: the connectors see 1024 tokens
     tokenizer="tokenizer",
-    companions={"connectors": "transformer", "audio_vae": "transformer", "vocoder": "transformer"},
+    others=("connectors", "audio_vae", "vocoder"),
+    # encode_images and generate_single_image tile the VAE frame-wise under low_vram (Recipe.encode_images, decode).
+    low_vram_in_recipe=frozenset({"latents", "sample", "train", "last_sample"}),
     dropped={"text_encoder": ("model.vision_tower",)},  # load_model: text_encoder.model.vision_tower = None
+    # LTX2Model.load_model: the transformer is quantized by quantize_model and left on the CPU while
+    # Gemma 3 comes in bf16 and is quantized on the device; then it comes ("leave it on cpu for now"
+    # with low_vram: BaseSDTrainProcess.run moves the unet to the device right after). The connectors,
+    # audio VAE and vocoder go where it goes.
+    placement={"transformer": Placement(quantized_on="host", after_load="waits"),
+               **{part: Placement(follows="transformer") for part in ("connectors", "audio_vae", "vocoder")}},
 )
 
 # Frames per second of AI Toolkit's LTX-2 datasets and previews (the UI's default; dataset fps).

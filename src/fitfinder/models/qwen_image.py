@@ -8,7 +8,7 @@ AI Toolkit: extensions_built_in/diffusion_models/qwen_image/qwen_image.py (QwenI
 
 from __future__ import annotations
 
-from fitfinder.models._family import Family
+from fitfinder.models._family import Family, Placement
 
 CLASSES = {"transformer": "diffusers.QwenImageTransformer2DModel",
            "text_encoder": "transformers.Qwen2_5_VLForConditionalGeneration",
@@ -36,8 +36,10 @@ FAMILY = Family(
     tokenizer="tokenizer",
     # load_model: `text_encoder.model.visual = None` unless the model keeps the vision tower (edit models).
     dropped={"text_encoder": ("model.visual",)},
-    quantized_on={"transformer": "host", "text_encoder": "device"},
-    kept_on_device=("text_encoder",),
+    # QwenImageModel.load_model: the transformer waits in host memory (quantize_model, or not
+    # quantized) while Qwen2.5-VL comes in bf16 and is quantized on the device, then comes, low_vram
+    # or not (with it, BaseSDTrainProcess.run moves it).
+    placement={"transformer": Placement(quantized_on="host", after_load="waits")},
 )
 
 # QwenImagePipeline.prompt_template_encode_start_idx: the template's system turn, encoded and dropped.

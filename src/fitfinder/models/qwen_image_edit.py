@@ -26,8 +26,7 @@ FAMILY = Family(
     te_qtype_key="qtype_te",
     text_seq_len=512,
     tokenizer="tokenizer",
-    quantized_on={"transformer": "host", "text_encoder": "device"},
-    kept_on_device=("text_encoder",),
+    placement=qwen_image.FAMILY.placement,  # QwenImageModel.load_model's
 )
 
 

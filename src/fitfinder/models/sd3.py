@@ -8,7 +8,7 @@ AI Toolkit: toolkit/stable_diffusion_model.py (load_model's is_v3 branch; commit
 from __future__ import annotations
 
 from fitfinder.models._common import FlowImageLatents
-from fitfinder.models._family import Family
+from fitfinder.models._family import Family, Placement
 
 # LoRA targets (toolkit/lora_special.py, LoRANetwork.create_modules): target_modules is
 # ["SD3Transformer2DModel"] for is_v3 and, with transformer_only (NetworkConfig's default), a Linear
@@ -37,6 +37,9 @@ FAMILY = Family(
     text_seq_len=256,
     tokenizer="tokenizer_3",
     te_quantized_with_denoiser=True,
+    # load_model (is_v3): as FLUX.1's branch, low_vram keeps the transformer in host memory while it is
+    # quantized, then moves it to the device; T5 comes in bf16 and is quantized there; all stay.
+    low_vram={"transformer": Placement(quantized_on="host")},
 )
 
 

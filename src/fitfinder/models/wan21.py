@@ -6,7 +6,7 @@ AI Toolkit: toolkit/models/wan21/wan21.py (Wan21.load_model; commit 27a03a91).
 
 from __future__ import annotations
 
-from fitfinder.models._family import Family
+from fitfinder.models._family import Family, Placement
 
 CLASSES = {"transformer": "diffusers.WanTransformer3DModel", "text_encoder": "transformers.UMT5EncoderModel",
            "vae": "diffusers.AutoencoderKLWan"}
@@ -27,6 +27,12 @@ FAMILY = Family(
     layer_offloading=True,
     text_seq_len=512,  # WanPipeline's max_sequence_length
     tokenizer="tokenizer",
+    # Wan21.load_wan_transformer: quantize_model leaves a quantized transformer's blocks on the CPU
+    # while UMT5 comes in bf16 and is quantized on the device; with low_vram the transformer is on the
+    # CPU from the start, quantized a block at a time on the device, and moved back after UMT5
+    # (load_model: "we can move it back to the gpu now"). Every part stays on the device after.
+    placement={"transformer": Placement(after_load="waits if quantized")},
+    low_vram={"transformer": Placement(quantized_on="host", after_load="waits")},
 )
 
 

@@ -11,7 +11,7 @@ generate_images, set_device_state_preset) and toolkit/models/wan21/wan_utils.py
 from __future__ import annotations
 
 from fitfinder.models import wan21
-from fitfinder.models._family import Family
+from fitfinder.models._family import EVERY_PHASE, Family, Placement
 
 # The image encoder is the diffusers folder's image_encoder, loaded as a CLIPVisionModel (no
 # projection: Wan21I2V.load_model) in the training dtype, on the device, frozen, never quantized.
@@ -32,10 +32,16 @@ FAMILY = Family(
     layer_offloading=True,
     text_seq_len=512,
     tokenizer="tokenizer",
-    # Wan21I2V.get_noise_prediction moves the image encoder onto the device at every step and
-    # nothing moves it off (its set_device_state_preset does nothing under low_vram; the base
-    # presets do not know it): resident throughout, with low_vram from the first step on.
-    conditioners=("image_encoder",),
+    others=("image_encoder",),
+    # Wan21I2V.load_model: the image encoder is loaded onto the device after the rest and no preset
+    # knows it, so it stays throughout. With low_vram it goes back to the CPU once loaded, UMT5 too,
+    # and get_noise_prediction brings the encoder back at the first training step (its
+    # set_device_state_preset does nothing under low_vram, so nothing moves it off again); the
+    # transformer is loaded as Wan 2.1's (Wan21.load_model).
+    placement={**wan21.FAMILY.placement, "image_encoder": EVERY_PHASE},
+    low_vram={**wan21.FAMILY.low_vram, "text_encoder": Placement(after_load="leaves"),
+              "image_encoder": Placement(after_load="leaves", also_in=frozenset({"train"}),
+                                         only_in=frozenset({"train"}))},
 )
 
 
@@ -60,7 +66,7 @@ class Recipe(wan21.Recipe):
         extra = {}
         if self.image_tokens:
             # The first frame's CLIP vision features, as Wan21I2V.get_noise_prediction makes them
-            # each step under no_grad (the encoder's weights are resident, see FAMILY.conditioners;
+            # each step under no_grad (the encoder's weights are resident, see FAMILY.placement;
             # its run on one 224 px image per sample is a few MiB beside the transformer's).
             extra["encoder_hidden_states_image"] = self.inputs.randn(
                 (latents.shape[0], self.image_tokens, self.image_width))

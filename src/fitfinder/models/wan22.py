@@ -8,7 +8,7 @@ train_high_noise / train_low_noise in model_kwargs, boundary_ratio_t2v 0.875; co
 from __future__ import annotations
 
 from fitfinder.models import wan21
-from fitfinder.models._family import Family
+from fitfinder.models._family import Family, Placement
 from fitfinder.models.wan21 import Recipe  # noqa: F401  the same computation, per expert
 
 FAMILY = Family(
@@ -27,4 +27,11 @@ FAMILY = Family(
     tokenizer="tokenizer",
     index_defaults={"boundary_ratio": 0.875},  # Wan 2.2 A14B's published value
     expert_switches={"transformer": "train_high_noise", "transformer_2": "train_low_noise"},
+    # Wan2214bModel.load_wan_transformer with low_vram: each expert is quantized a block at a time on
+    # the device and left on the CPU, where DualWanTransformer3DModel (whose `to` does nothing) keeps
+    # it until its first prediction; its forward then swaps the experts, so only the active one is on
+    # the device, in previews and training alone. Without low_vram both come and stay.
+    low_vram={expert: Placement(quantized_on="host", after_load="leaves", only_when_active=True,
+                                only_in=frozenset({"sample", "train", "last_sample"}))
+              for expert in ("transformer", "transformer_2")},
 )

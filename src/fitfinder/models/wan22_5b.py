@@ -33,6 +33,8 @@ FAMILY = Family(
     layer_offloading=True,
     text_seq_len=512,
     tokenizer="tokenizer",
+    placement=wan21.FAMILY.placement,  # Wan225bModel.load_model is Wan21.load_model
+    low_vram=wan21.FAMILY.low_vram,
 )
 
 

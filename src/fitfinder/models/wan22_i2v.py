@@ -32,6 +32,7 @@ FAMILY = Family(
     text_seq_len=512,
     tokenizer="tokenizer",
     expert_switches=wan22.FAMILY.expert_switches,
+    low_vram=wan22.FAMILY.low_vram,  # Wan2214bModel's experts
 )
 
 

@@ -8,7 +8,7 @@ AI Toolkit: extensions_built_in/diffusion_models/z_image/z_image.py (ZImageModel
 from __future__ import annotations
 
 from fitfinder.models._common import FlowImageLatents
-from fitfinder.models._family import Family
+from fitfinder.models._family import Family, Placement
 
 # LoRA targets: ZImageModel.get_transformer_block_names is ["layers"], and LoRANetwork.create_modules
 # (toolkit/lora_special.py, transformer_only) keeps a Linear layer only when its name holds it: the
@@ -31,7 +31,10 @@ FAMILY = Family(
     te_qtype_key="qtype_te",
     text_seq_len=512,  # ZImagePipeline.encode_prompt's max_sequence_length
     tokenizer="tokenizer",
-    quantized_on={"transformer": "host"},
+    # ZImageModel.load_model: the transformer is loaded in host memory (quantized there a block at a
+    # time, OstrisModelMixin.quantize_) and waits there while Qwen3 comes in bf16 and is quantized on
+    # the device, then comes, low_vram or not (with it, BaseSDTrainProcess.run moves it).
+    placement={"transformer": Placement(quantized_on="host", after_load="waits")},
 )
 
 

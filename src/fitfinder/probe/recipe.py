@@ -12,8 +12,9 @@ protocol's two halves are typed in protocol.py.
 
 The recipe, phase by phase, each metered on its own (AI Toolkit's order and device placement):
 
-    load          every part (denoiser(s), text encoder(s), VAE), quantized as asked, a LoRA on the
-                  trained denoiser(s); without low_vram all on the device, with it all in host memory
+    load          every part (denoiser(s), text encoder(s), VAE), quantized as asked, where the family's
+                  loader quantizes and keeps it with or without low_vram (Family.placement); a LoRA
+                  on the trained denoiser(s); the EMA's shadow
     text_encoder  prompts through the text encoders: a batch of captions when they stay loaded (each
                   step encodes its captions); one prompt at a time when embeddings are cached (the
                   encoders alone on the device, then unloaded) or the encoders unloaded (moved to the
@@ -113,6 +114,9 @@ def _recipe(request: dict, meter, result: dict) -> None:
     sample = request["sample"]
     with meter.phase("load"):
         pipe = models.load_pipeline(request["model"], request, meter)
+        # The EMA's shadow comes with the optimizer, before any caching (BaseSDTrainProcess.run calls
+        # setup_ema right after building the optimizer, before the datasets cache anything).
+        ema = _ema(pipe, request)
     meter.replay_repeated_blocks(*pipe.parts.values())
     with _phase("text_encoder", pipe, request):
         prompts = _encode_text(pipe, request)
@@ -121,16 +125,10 @@ def _recipe(request: dict, meter, result: dict) -> None:
     prompts["train"] = {key: meter.to_host(value) for key, value in prompts["train"].items()}
     with _phase("latents", pipe, request):
         _encode_latents(pipe, request)
-    # AI Toolkit's setup_ema runs before any caching; made here, before the first preview, the
-    # shadow leaves the text_encoder and latents phases one copy light (docs/fidelity.md, item 4).
-    ema = None
     if sample["first"]:
-        with _phase("sample", pipe, request):
-            ema = _ema(pipe, request)
-            with _ema_weights(ema):
-                _sample(pipe, request, prompts)
+        with _phase("sample", pipe, request), _ema_weights(ema):
+            _sample(pipe, request, prompts)
     with _phase("train", pipe, request):
-        ema = ema or _ema(pipe, request)
         prompts["train"] = {key: meter.to_device(value) for key, value in prompts["train"].items()}
         optimizer = _train(pipe, request, prompts, result, ema)
     del prompts["train"]  # and end with the training steps
@@ -159,44 +157,51 @@ def _phase(name: str, pipe, request: dict):
 
 
 def resident(phase: str, request: dict, family, active: str | None = None) -> set[str]:
-    """The parts on the device during `phase`, as AI Toolkit's device presets place them
-    (toolkit/stable_diffusion_model.py, set_device_state_preset; AI Toolkit commit 27a03a91).
+    """The parts on the device during `phase`: the one place that reads where parts are after load.
 
-    Without low_vram everything loaded stays, except: the text-embedding caching pass holds the
-    encoders alone ('cache_text_encoder'), cached embeddings unload the encoders for good
-    (toolkit/unloader.py), `unload_text_encoder` moves them to the host after encoding and
-    previews bring them back ('generate' places every part, SDTrainer's hook_before_train_loop
-    only moves them to the CPU); the latent-caching pass moves all but the VAE off, and cached
-    latents keep the VAE off during training (it comes back for previews), but in a family that
-    encodes a conditioning image at every step (Family.vae_in_train). With low_vram only the
-    parts a phase uses, and of two experts only the `active` one.
-
-    A family's conditioners (Wan 2.1 I2V's image encoder) stay on the device from load on; with
-    low_vram they come on for training only (toolkit/models/wan21/wan21_i2v.py: Wan21I2V's
-    set_device_state_preset, get_noise_prediction and generate_images). Companions
-    (Family.companions: LTX-2's connectors, audio VAE, vocoder) go where their part goes.
+    AI Toolkit's device presets place each part by its kind (toolkit/stable_diffusion_model.py,
+    set_device_state_preset; AI Toolkit commit 27a03a91; see `_by_the_presets`); a family's
+    Placement adds phases (`also_in`), bounds them (`only_in`), keeps one of several denoisers
+    (`only_when_active`: `active`, else the first trained one) or ties a part to another (`follows`),
+    with low_vram or without as the family declares (models/_family.py).
     """
-    wanted = _placed(phase, request, family, active)
-    if not request["low_vram"] or phase == "train":
-        wanted |= set(family.conditioners)
-    return wanted | {part for part, anchor in family.companions.items() if anchor in wanted}
+    low_vram, presets = request["low_vram"], _by_the_presets(phase, request, family)
+    active = active or request["trained"][0]
+    wanted = set()
+    for part in family.parts:
+        where = family.placed(part, low_vram)
+        on = part in presets or phase in where.also_in
+        if where.only_in is not None and phase not in where.only_in:
+            on = False
+        if where.only_when_active and part != active:
+            on = False
+        if on and where.follows is None:
+            wanted.add(part)
+    return wanted | {part for part in family.parts if family.placed(part, low_vram).follows in wanted}
 
 
-def _placed(phase: str, request: dict, family, active: str | None) -> set[str]:
-    """The denoisers, encoders and VAE on the device during `phase` (see resident)."""
+def _by_the_presets(phase: str, request: dict, family) -> set[str]:
+    """The denoisers, encoders and VAE that AI Toolkit's presets put on the device during `phase`.
+
+    Everything loaded stays, except: the text-embedding caching pass holds the encoders alone
+    ('cache_text_encoder'), cached embeddings unload the encoders for good (toolkit/unloader.py),
+    `unload_text_encoder` moves them to the host after encoding and previews bring them back
+    ('generate' places every part, SDTrainer's hook_before_train_loop only moves them to the CPU);
+    the latent-caching pass moves all but the VAE off ('cache_latents'), and cached latents keep
+    the VAE off during training (hook_before_train_loop; it comes back for previews). None of them
+    reads low_vram.
+    """
     encoders = set(family.text_encoders)
     mode = request["text_encoder"]
     kept = encoders if mode == "keep" else set()
     previews = encoders if mode != "cache" else set()
     denoisers, cached = set(family.denoisers), request["cache_latents"]
-    if request["low_vram"]:
-        denoisers = {active} if active else set(request["trained"][:1])
     if phase == "text_encoder":
-        return encoders if request["low_vram"] or mode == "cache" else denoisers | encoders | {"vae"}
+        return encoders if mode == "cache" else denoisers | encoders | {"vae"}
     if phase == "latents" and cached:
         return {"vae"}
     if phase in ("latents", "train"):
-        vae_off = cached and phase == "train" and not family.vae_in_train
+        vae_off = cached and phase == "train"
         return denoisers | kept | (set() if vae_off else {"vae"})
     return denoisers | previews | {"vae"}  # sample, last_sample
 

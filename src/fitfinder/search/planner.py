@@ -437,9 +437,12 @@ def _rollback(space: Space, known: Knowledge, decided: list) -> Point | None:
 
 
 def _lighten(space: Space, point: Point, phase: str) -> Point | None:
-    """The first move of the seeds' order for `phase` that still changes `point`, or None."""
+    """The first move of the seeds' order for `phase` that still changes `point`, or None.
+
+    A move's knobs that do not claim `phase` stay (low_vram moves only the load for FLUX.1, as its
+    AI Toolkit loader uses it: a text-encoder OOM there gets cached embeddings alone)."""
     for move in ROLLBACK.get(phase, ()):
-        knobs = [space.by_name[name] for name in move if name in space.by_name]
+        knobs = [space.by_name[name] for name in move if name in space.by_name and phase in space.by_name[name].phases]
         lighter = {**point, **{k.name: k.candidates[0] for k in knobs}}
         if lighter != point:
             return lighter
