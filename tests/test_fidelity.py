@@ -528,11 +528,58 @@ def test_wan21_i2v_with_low_vram_sends_umt5_and_the_image_encoder_back_until_use
 
 
 def test_families_whose_loader_never_reads_low_vram_have_no_low_vram_knob():
-    """SDXL, Lumina 2, Chroma, Kontext, Flex.2 (never read it), Qwen-Image and Z-Image (the same
-    placement either way): low_vram moves no peak, so the search has no such knob for them."""
+    """SDXL, Lumina 2, Chroma, Kontext, Flex.2 (never read it) and Z-Image (the same placement either
+    way): low_vram moves no peak, so the search has no such knob for them. Qwen-Image places its parts
+    the same either way too, but its previews tile the decode under low_vram (generate_single_image)."""
     from fitfinder import space as spaces
 
-    for family in ("sdxl", "lumina2", "chroma", "flux_kontext", "flex2", "qwen_image", "zimage"):
+    for family in ("sdxl", "lumina2", "chroma", "flux_kontext", "flex2", "zimage"):
         assert models.FAMILIES[family].low_vram_moves == frozenset(), family
         assert "low_vram" not in spaces.build(tiny_job(family)).by_name, family
     assert spaces.build(tiny_job("flux")).by_name["low_vram"].phases == {"load"}
+    assert spaces.build(tiny_job("qwen_image")).by_name["low_vram"].phases == {"sample", "last_sample"}
+
+
+def _preview_holdings(changes: dict) -> dict:
+    """A tiny Wan 2.1 preview on the sim meter, read at each denoiser call and each VAE decoder call:
+    the live bytes, the parts on the device, and whether the VAE decodes in tiles."""
+    from fitfinder.probe import recipe
+
+    pipe, meter = _loaded("wan21", changes)
+    request = probe.request_for(tiny_job("wan21", changes), 1, "sim", None)
+    seen = {"denoise": [], "decode": []}
+
+    def reader(step, vae=None):
+        return lambda module, args: seen[step].append(
+            (meter.live_bytes, frozenset(pipe.on_device), vae.use_tiling if vae else None))
+
+    pipe.parts["transformer"].register_forward_pre_hook(reader("denoise"))
+    pipe.parts["vae"].decoder.register_forward_pre_hook(reader("decode", pipe.parts["vae"]))
+    with meter:
+        prompts = recipe._encode_text(pipe, request)
+        with meter.phase("sample"):
+            recipe._denoise_and_decode(pipe, request, prompts)
+    seen["umt5"], seen["vae"] = _frozen_bytes(pipe.parts["text_encoder"]), _frozen_bytes(pipe.parts["vae"])
+    seen["tiled"] = request["tiled_preview_decode"]
+    return seen
+
+
+@pytest.mark.slow
+def test_wan21_previews_under_low_vram_hold_neither_umt5_nor_the_vae_while_denoising():
+    """toolkit/models/wan21/wan21.py: under low_vram get_generation_pipeline builds
+    AggressiveWanUnloadPipeline, whose __call__ sends the VAE and then UMT5 to the CPU before the
+    denoising loop and brings the VAE back for the decode (the transformer stays); generate_single_image
+    tiles that decode (use_vae_tiling). Without low_vram WanPipeline moves nothing and never tiles."""
+    plain, low = _preview_holdings({}), _preview_holdings({"model.low_vram": True})
+    assert {held for _, held, _ in low["denoise"]} == {frozenset({"transformer"})}
+    assert {held for _, held, _ in low["decode"]} == {frozenset({"transformer", "vae"})}
+    assert {held for _, held, _ in plain["denoise"] + plain["decode"]} == {frozenset({"transformer", "text_encoder",
+                                                                                      "vae"})}
+    # the same tensors but those parts' weights, call for call
+    assert len(low["denoise"]) == len(plain["denoise"]) > 0 and len(low["decode"]) == len(plain["decode"]) > 0
+    for (low_bytes, _, _), (plain_bytes, _, _) in zip(low["denoise"], plain["denoise"]):
+        assert plain_bytes - low_bytes == low["umt5"] + low["vae"] > 0
+    for (low_bytes, _, tiled), (plain_bytes, _, plain_tiled) in zip(low["decode"], plain["decode"]):
+        assert plain_bytes - low_bytes == low["umt5"]
+        assert (tiled, plain_tiled) == (True, False)
+    assert (low["tiled"], plain["tiled"]) == (True, False)
