@@ -422,23 +422,27 @@ LOAD_ONLY = ["flux", "sd3", "wan21", "wan22_5b", "hidream", "flux2", "flux2_klei
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", LOAD_ONLY)
-def test_low_vram_lowers_only_the_load_and_every_part_is_on_the_device_after(family, run_tiny):
+def test_low_vram_lowers_the_load_and_the_previews_it_claims_and_every_part_is_on_the_device_after(family, run_tiny):
     """FLUX.1 and SD3 (load_model: the transformer quantized in host memory, then moved; T5 in bf16
     and quantized on the device beside it), Wan 2.1 and 2.2 5B (the transformer parked on the CPU
     while UMT5 is quantized), HiDream (Llama and the transformer parked until T5 is quantized),
     FLUX.2 and Klein (the transformer waits, the encoder goes back to the CPU until it encodes):
     low_vram never raises the load peak (tiny encoders can leave it where it was); every later phase
-    holds what it holds without low_vram."""
+    holds what it holds without low_vram, but the previews of Wan 2.1 and 2.2 5B, whose preview
+    pipelines move UMT5 and the VAE off under low_vram (Family.low_vram_moves claims them): lower or
+    the same."""
     eight_bit = {"model.quantize": True, "model.quantize_te": True, "train.ema_config": {"use_ema": True}}
     plain, low = run_tiny(family, eight_bit), run_tiny(family, {**eight_bit, "model.low_vram": True})
     assert plain["status"] == low["status"] == "ok", (plain["error"], low["error"])
     assert low["phases"]["load"] <= plain["phases"]["load"]
     assert list(low["phases"]) == list(plain["phases"])
+    claimed = models.FAMILIES[family].low_vram_moves
     for phase in list(plain["phases"])[1:]:
         # but 16 KiB that quanto allocates once per process at its first quantization: counted when
         # that one runs on the device, not when it runs in host memory (measured: the same 16 KiB
         # in every family, and none once a process has quantized before)
-        assert 0 <= plain["phases"][phase] - low["phases"][phase] <= 16 * 1024, phase
+        lowered = plain["phases"][phase] - low["phases"][phase]
+        assert 0 <= lowered and (phase in claimed or lowered <= 16 * 1024), phase
 
 
 def _loaded(family: str, changes: dict):
