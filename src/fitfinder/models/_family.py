@@ -19,8 +19,6 @@ from fitfinder.errors import UserError
 
 PHASES_AFTER_LOAD = frozenset({"text_encoder", "latents", "sample", "train", "last_sample"})
 PREVIEWS = frozenset({"sample", "last_sample"})
-# The steps of a preview after its prompts are encoded: the denoising loop, then the VAE's decode.
-PREVIEW_STEPS = frozenset({"denoise", "decode"})
 
 
 @dataclass(frozen=True)
@@ -51,9 +49,10 @@ class Placement:
     only_in: frozenset | None = None
     only_when_active: bool = False
     follows: str | None = None
-    # Inside a preview, once the preview pipeline has moved the parts: the steps of PREVIEW_STEPS it
-    # is on the device for (None: it stays wherever the phase put it). A preview phase still brings it
-    # with the others first, as the 'generate' preset does before the pipeline runs.
+    # Inside a preview, once the preview pipeline has moved the parts: the steps of the preview it is on
+    # the device for, of "denoise" (the loop) and "decode" (the VAE), after the prompts are encoded
+    # (None: it stays wherever the phase put it). A preview phase still brings it with the others
+    # first, as the 'generate' preset does before the pipeline runs.
     in_previews: frozenset | None = None
 
     def waits(self, quantized: bool) -> bool:
@@ -137,8 +136,9 @@ class Family:
     @property
     def low_vram_moves(self) -> frozenset:
         """The phases whose peak `model.low_vram` can change for this family: the load where a part
-        is loaded or quantized elsewhere with it, the phases where a part is placed otherwise, and
-        the recipe's own (space.py's low_vram knob claims exactly these)."""
+        is loaded or quantized elsewhere with it, the phases where a part is placed otherwise, the
+        previews where a preview pipeline moves a part otherwise or tiles the decode, and the recipe's
+        own (space.py's low_vram knob claims exactly these)."""
         moved = set(self.low_vram_in_recipe) | (PREVIEWS if self.tiled_preview_decode else set())
         for part in self.parts:
             plain, low = self.placed(part, False), self.placed(part, True)
