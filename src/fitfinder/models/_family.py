@@ -18,6 +18,7 @@ from fitfinder.errors import UserError
 
 
 PHASES_AFTER_LOAD = frozenset({"text_encoder", "latents", "sample", "train", "last_sample"})
+PREVIEWS = frozenset({"sample", "last_sample"})
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,11 @@ class Placement:
     only_in: frozenset | None = None
     only_when_active: bool = False
     follows: str | None = None
+    # Inside a preview, once the preview pipeline has moved the parts: the steps of the preview it is on
+    # the device for, of "denoise" (the loop) and "decode" (the VAE), after the prompts are encoded
+    # (None: it stays wherever the phase put it). A preview phase still brings it with the others
+    # first, as the 'generate' preset does before the pipeline runs.
+    in_previews: frozenset | None = None
 
     def waits(self, quantized: bool) -> bool:
         return self.after_load == "waits" or (self.after_load == "waits if quantized" and quantized)
@@ -113,6 +119,10 @@ class Family:
     # text encoder, with layer_offloading_text_encoder_percent. The loaders of FLUX.1, SDXL, SD3,
     # Chroma, Lumina2 and HiDream I1 (toolkit/stable_diffusion_model.py and theirs) never read it.
     layer_offloading: bool = False
+    # generate_single_image tiles the preview's VAE decode (diffusers' `vae.enable_tiling()`) under
+    # low_vram, or when `model.model_kwargs` sets this key (Wan21.use_vae_tiling: "vae_tiling").
+    tiled_preview_decode: bool = False
+    tiled_preview_decode_key: str | None = None
 
     @property
     def parts(self) -> tuple[str, ...]:
@@ -126,9 +136,10 @@ class Family:
     @property
     def low_vram_moves(self) -> frozenset:
         """The phases whose peak `model.low_vram` can change for this family: the load where a part
-        is loaded or quantized elsewhere with it, the phases where a part is placed otherwise, and
-        the recipe's own (space.py's low_vram knob claims exactly these)."""
-        moved = set(self.low_vram_in_recipe)
+        is loaded or quantized elsewhere with it, the phases where a part is placed otherwise, the
+        previews where a preview pipeline moves a part otherwise or tiles the decode, and the recipe's
+        own (space.py's low_vram knob claims exactly these)."""
+        moved = set(self.low_vram_in_recipe) | (PREVIEWS if self.tiled_preview_decode else set())
         for part in self.parts:
             plain, low = self.placed(part, False), self.placed(part, True)
             if (plain.quantized_on, plain.after_load) != (low.quantized_on, low.after_load):
@@ -139,6 +150,8 @@ class Family:
                          (PHASES_AFTER_LOAD - (low.only_in or PHASES_AFTER_LOAD))
             if (plain.only_when_active, plain.follows) != (low.only_when_active, low.follows):
                 moved |= PHASES_AFTER_LOAD
+            if plain.in_previews != low.in_previews:
+                moved |= PREVIEWS
         return frozenset(moved)
 
     def frame_ladder(self, desired: int) -> list[int]:
@@ -158,6 +171,14 @@ class Family:
             raise UserError(f"{job.source}: config.process[0].model.model_kwargs: {keys} are both false; "
                             "nothing would be trained")
         return trained
+
+    def tiles_preview_decode(self, job) -> bool:
+        """Whether the job's previews decode with the VAE tiled (`tiled_preview_decode`)."""
+        if not self.tiled_preview_decode:
+            return False
+        kwargs = job.get("model.model_kwargs", None) or {}
+        return bool(job.get("model.low_vram")) or bool(self.tiled_preview_decode_key
+                                                        and kwargs.get(self.tiled_preview_decode_key))
 
     def recipe(self, arch: dict, inputs):
         """The family's computation (imports torch): its module's `Recipe(arch, inputs)`."""

@@ -40,6 +40,9 @@ FAMILY = Family(
     # quantized) while Qwen2.5-VL comes in bf16 and is quantized on the device, then comes, low_vram
     # or not (with it, BaseSDTrainProcess.run moves it).
     placement={"transformer": Placement(quantized_on="host", after_load="waits")},
+    # QwenImageModel.generate_single_image tiles the preview's decode under low_vram (and flushes the
+    # cache between steps, which frees nothing live); its pipeline moves no part.
+    tiled_preview_decode=True,
 )
 
 # QwenImagePipeline.prompt_template_encode_start_idx: the template's system turn, encoded and dropped.

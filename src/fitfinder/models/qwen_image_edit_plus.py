@@ -26,6 +26,7 @@ FAMILY = Family(
     text_seq_len=512,
     tokenizer="tokenizer",
     placement=qwen_image.FAMILY.placement,  # QwenImageModel.load_model's
+    tiled_preview_decode=True,  # QwenImageEditPlusModel.generate_single_image, under low_vram
 )
 
 

@@ -13,6 +13,14 @@ CLASSES = {"transformer": "diffusers.WanTransformer3DModel", "text_encoder": "tr
 # LoRA targets: attention and feed-forward of every block (toolkit/lora_special.py on the
 # transformer). Quantization (Wan21.load_model): the transformer with model.qtype, UMT5 with
 # model.qtype too.
+# Previews under low_vram (Wan21.get_generation_pipeline picks AggressiveWanUnloadPipeline, whose
+# __call__ moves the VAE to the CPU, UMT5 to the CPU once the prompt is encoded, the transformer to the
+# device for the denoising loop, and the VAE back for the decode; the transformer stays): UMT5 is off
+# for the loop and the decode, the VAE for the loop. Wan 2.2's Wan22Pipeline (aggressive_offload) and
+# Wan 2.1 I2V's AggressiveWanI2VUnloadPipeline move these two the same way.
+PREVIEW_UNLOADS = {"text_encoder": Placement(in_previews=frozenset()),
+                   "vae": Placement(in_previews=frozenset({"decode"}))}
+
 FAMILY = Family(
     name="wan21",
     denoisers=("transformer",),
@@ -32,7 +40,9 @@ FAMILY = Family(
     # CPU from the start, quantized a block at a time on the device, and moved back after UMT5
     # (load_model: "we can move it back to the gpu now"). Every part stays on the device after.
     placement={"transformer": Placement(after_load="waits if quantized")},
-    low_vram={"transformer": Placement(quantized_on="host", after_load="waits")},
+    low_vram={"transformer": Placement(quantized_on="host", after_load="waits"), **PREVIEW_UNLOADS},
+    tiled_preview_decode=True,  # Wan21.use_vae_tiling: low_vram, or model_kwargs.vae_tiling
+    tiled_preview_decode_key="vae_tiling",
 )
 
 

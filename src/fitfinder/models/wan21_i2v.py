@@ -37,9 +37,12 @@ FAMILY = Family(
     # knows it, so it stays throughout. With low_vram it goes back to the CPU once loaded, UMT5 too,
     # and get_noise_prediction brings the encoder back at the first training step (its
     # set_device_state_preset does nothing under low_vram, so nothing moves it off again); the
-    # transformer is loaded as Wan 2.1's (Wan21.load_model).
+    # transformer is loaded as Wan 2.1's (Wan21.load_model). Its previews under low_vram
+    # (AggressiveWanI2VUnloadPipeline.__call__) keep UMT5 off and the VAE off while the transformer
+    # denoises, as Wan 2.1's do (wan21.PREVIEW_UNLOADS); Wan21I2V.generate_single_image never tiles.
     placement={**wan21.FAMILY.placement, "image_encoder": EVERY_PHASE},
-    low_vram={**wan21.FAMILY.low_vram, "text_encoder": Placement(after_load="leaves"),
+    low_vram={**wan21.FAMILY.low_vram,
+              "text_encoder": Placement(after_load="leaves", in_previews=frozenset()),
               "image_encoder": Placement(after_load="leaves", also_in=frozenset({"train"}),
                                          only_in=frozenset({"train"}))},
 )

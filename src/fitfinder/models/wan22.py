@@ -30,8 +30,14 @@ FAMILY = Family(
     # Wan2214bModel.load_wan_transformer with low_vram: each expert is quantized a block at a time on
     # the device and left on the CPU, where DualWanTransformer3DModel (whose `to` does nothing) keeps
     # it until its first prediction; its forward then swaps the experts, so only the active one is on
-    # the device, in previews and training alone. Without low_vram both come and stay.
-    low_vram={expert: Placement(quantized_on="host", after_load="leaves", only_when_active=True,
-                                only_in=frozenset({"sample", "train", "last_sample"}))
-              for expert in ("transformer", "transformer_2")},
+    # the device, in previews and training alone. Without low_vram both come and stay. Previews under
+    # low_vram (Wan22Pipeline.__call__ with aggressive_offload) move the experts off for the decode too,
+    # UMT5 and the VAE as Wan 2.1's do (wan21.PREVIEW_UNLOADS), and Wan2214bModel.generate_single_image
+    # tiles the decode (Wan21.use_vae_tiling).
+    low_vram={**{expert: Placement(quantized_on="host", after_load="leaves", only_when_active=True,
+                                   only_in=frozenset({"sample", "train", "last_sample"}),
+                                   in_previews=frozenset({"denoise"}))
+                 for expert in ("transformer", "transformer_2")}, **wan21.PREVIEW_UNLOADS},
+    tiled_preview_decode=True,
+    tiled_preview_decode_key="vae_tiling",
 )

@@ -10,6 +10,8 @@ toolkit/models/wan21/wan21.py (Wan21.load_model) and toolkit/models/wan21/wan_ut
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fitfinder.models import wan21
 from fitfinder.models._family import Family
 
@@ -34,7 +36,12 @@ FAMILY = Family(
     text_seq_len=512,
     tokenizer="tokenizer",
     placement=wan21.FAMILY.placement,  # Wan225bModel.load_model is Wan21.load_model
-    low_vram=wan21.FAMILY.low_vram,
+    # Its previews under low_vram run Wan22Pipeline with aggressive_offload, which also moves the
+    # transformer off for the decode; Wan225bModel.generate_single_image tiles it (use_vae_tiling).
+    low_vram={**wan21.FAMILY.low_vram,
+              "transformer": replace(wan21.FAMILY.low_vram["transformer"], in_previews=frozenset({"denoise"}))},
+    tiled_preview_decode=True,
+    tiled_preview_decode_key="vae_tiling",
 )
 
 

@@ -32,7 +32,8 @@ FAMILY = Family(
     text_seq_len=512,
     tokenizer="tokenizer",
     expert_switches=wan22.FAMILY.expert_switches,
-    low_vram=wan22.FAMILY.low_vram,  # Wan2214bModel's experts
+    # Wan2214bModel's experts and its Wan22Pipeline; Wan2214bI2VModel.generate_single_image never tiles.
+    low_vram=wan22.FAMILY.low_vram,
 )
 
 

@@ -71,6 +71,7 @@ class ProbeRequest(TypedDict):
     budget_bytes: Optional[int]
     gpu: int
     seed: int
+    tiled_preview_decode: NotRequired[bool]  # previews decode with the VAE tiled (Family.tiled_preview_decode)
     prime_optimizer: NotRequired[bool]  # the optimizer's state made before the first step (the estimate)
     overhead: NotRequired[dict[str, Any]]  # the estimate meter's GPU overhead model (probe.overhead)
     fault: NotRequired[str]  # a test hook's injected failure (probe.faults)

@@ -156,14 +156,17 @@ def _phase(name: str, pipe, request: dict):
         yield
 
 
-def resident(phase: str, request: dict, family, active: str | None = None) -> set[str]:
+def resident(phase: str, request: dict, family, active: str | None = None,
+             preview_step: str | None = None) -> set[str]:
     """The parts on the device during `phase`: the one place that reads where parts are after load.
 
     AI Toolkit's device presets place each part by its kind (toolkit/stable_diffusion_model.py,
     set_device_state_preset; AI Toolkit commit 27a03a91; see `_by_the_presets`); a family's
     Placement adds phases (`also_in`), bounds them (`only_in`), keeps one of several denoisers
-    (`only_when_active`: `active`, else the first trained one) or ties a part to another (`follows`),
-    with low_vram or without as the family declares (models/_family.py).
+    (`only_when_active`: `active`, else the first trained one), ties a part to another (`follows`),
+    or, inside a preview at `preview_step` ("denoise" or "decode"), keeps it to the steps its preview
+    pipeline has it on the device for (`in_previews`), with low_vram or without as the family
+    declares (models/_family.py).
     """
     low_vram, presets = request["low_vram"], _by_the_presets(phase, request, family)
     active = active or request["trained"][0]
@@ -174,6 +177,8 @@ def resident(phase: str, request: dict, family, active: str | None = None) -> se
         if where.only_in is not None and phase not in where.only_in:
             on = False
         if where.only_when_active and part != active:
+            on = False
+        if preview_step is not None and where.in_previews is not None and preview_step not in where.in_previews:
             on = False
         if on and where.follows is None:
             wanted.add(part)
@@ -283,6 +288,8 @@ def _sample(pipe, request: dict, prompts: dict) -> None:
 
 
 def _denoise_and_decode(pipe, request: dict, prompts: dict) -> None:
+    """The phase brought every part (the 'generate' preset); a preview pipeline may then move parts
+    off for the denoising loop and for the decode (Placement.in_previews: Wan's under low_vram)."""
     import torch
 
     settings, recipe = request["sample"], pipe.recipe
@@ -294,14 +301,31 @@ def _denoise_and_decode(pipe, request: dict, prompts: dict) -> None:
         levels = [1.0 - i / settings["steps"] for i in range(settings["steps"])]
         for level, next_level in zip(levels, levels[1:] + [0.0]):
             expert = _expert(pipe, level)
-            pipe.place(resident("sample", request, pipe.family, active=expert))
+            pipe.place(resident("sample", request, pipe.family, active=expert, preview_step="denoise"))
             t = torch.full((1,), level, device=recipe.inputs.device, dtype=recipe.inputs.dtype)
             velocity = recipe.guided(pipe.parts[expert], latents, t, prompts["sample"], prompts["negative"],
                                      settings["guidance_scale"])
             latents = latents + (next_level - level) * velocity
             del velocity
-        images = recipe.decode(pipe.parts["vae"], latents)
+        pipe.place(resident("sample", request, pipe.family, active=expert, preview_step="decode"))
+        with _tiled(pipe.parts["vae"], request.get("tiled_preview_decode", False)):
+            images = recipe.decode(pipe.parts["vae"], latents)
     del images, latents
+
+
+@contextlib.contextmanager
+def _tiled(vae, tiled: bool):
+    """The VAE decodes in diffusers' spatial tiles while `tiled`, as generate_single_image sets it
+    for a preview and unsets it after (toolkit/models/wan21/wan21.py Wan21.generate_single_image,
+    use_vae_tiling; qwen_image.py QwenImageModel.generate_single_image under low_vram)."""
+    if not tiled:
+        yield
+        return
+    vae.enable_tiling()
+    try:
+        yield
+    finally:
+        vae.disable_tiling()
 
 
 def _expert(pipe, level: float) -> str:

@@ -36,6 +36,7 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
         "quantize": bits if job.quantize else None, "quant_type": qtype,
         "quantize_te": bits_te if job.quantize_te else None, "quant_type_te": qtype_te,
         "low_vram": bool(job.get("model.low_vram")),
+        "tiled_preview_decode": family.tiles_preview_decode(job),
         "layer_offloading": layer_offloading(job, family),
         "text_encoder": job.text_encoder_mode,
         "cache_latents": job.latents_cached,
