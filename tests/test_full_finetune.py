@@ -80,8 +80,9 @@ def test_the_full_fine_tune_demo_search_proves_a_winner(tmp_path):
 @pytest.mark.slow
 def test_ema_holds_a_shadow_and_a_stored_copy_and_the_estimate_follows():
     """AI Toolkit's EMA (the Flex full fine-tune example's use_ema): a shadow of the trained
-    weights from before the first preview, the weights stored for each preview and kept after it,
-    and the next preview's copy made before the last one goes."""
+    weights from the load on (BaseSDTrainProcess.setup_ema: after the optimizer, before any
+    caching), the weights stored for each preview and kept after it, and the next preview's copy
+    made before the last one goes."""
     runner = probe.ProbeRunner(timeout_s=300)
     peaks = {}
     for ema in (False, True):
@@ -99,5 +100,5 @@ def test_ema_holds_a_shadow_and_a_stored_copy_and_the_estimate_follows():
     trained = extra["sample"] // 2
     # In the last preview three copies exist for a moment (the old stored one, the new one), but
     # the preview's own activations peak higher than one copy of this tiny model: two copies there.
-    assert trained > 0 and extra == {"load": 0, "text_encoder": 0, "latents": 0, "sample": 2 * trained,
+    assert trained > 0 and extra == {"load": trained, "text_encoder": trained, "latents": trained, "sample": 2 * trained,
                                      "train": 2 * trained, "last_sample": 2 * trained}
