@@ -282,12 +282,18 @@ def claim(study, space: Space, point: Point, purpose: str = ""):
         template = optuna.trial.FrozenTrial(
             number=-1, state=TrialState.RUNNING, value=None, values=None, datetime_start=datetime.now(),
             datetime_complete=None, params=dict(point), distributions=distributions(space),
-            user_attrs={"purpose": purpose, **owner()}, system_attrs=_retry_of(study, point, purpose),
-            intermediate_values={}, trial_id=-1)
+            user_attrs={"purpose": purpose, **owner()}, system_attrs={}, intermediate_values={}, trial_id=-1)
         trial_id = study._storage.create_new_trial(study._study_id, template_trial=template)
         study._storage.record_heartbeat(trial_id)
         trial = optuna.trial.Trial(study, trial_id)
-        twin = _earlier_twin(study, trial)
+        # One read decides both: another worker may abandon an earlier trial of this point meanwhile
+        # (fail_stale does not take the claim lock), and two reads could see it first RUNNING, so no
+        # retry, then FAILED, so no twin: a second probe of the point, linked to nothing.
+        earlier = [t for t in study.get_trials(deepcopy=False) if t.number < trial.number
+                   and params_of(t) == trial.params and t.user_attrs.get("purpose") == purpose]
+        twin = _twin_in(earlier)
+        if twin is None and (failed := _failed_in(earlier)) is not None:
+            study._storage.set_trial_system_attr(trial_id, "failed_trial", failed)  # as Optuna marks retries
     if twin is not None:
         trial.set_user_attr("error", f"duplicate of trial {twin}, planned by another worker at the same time")
         study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
@@ -301,15 +307,14 @@ def owner() -> dict[str, Any]:
     return {"host": host, "pid": os.getpid(), "worker": f"{host}:{os.getpid()}"}
 
 
-def _retry_of(study, point: Point, purpose: str) -> dict[str, int]:
-    """{"failed_trial": N} when an earlier trial of this point and stage failed (as Optuna marks
-    its retries), so the dashboard links the two; {} otherwise."""
+def _failed_in(earlier: list) -> int | None:
+    """The last of these earlier trials of a point that failed (not as a duplicate), so the
+    dashboard links its retry to it; None when none did."""
     from optuna.trial import TrialState
 
-    failed = [t.number for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
-              if params_of(t) == point and t.user_attrs.get("purpose") == purpose
+    failed = [t.number for t in earlier if t.state == TrialState.FAIL
               and t.user_attrs.get("status") in ("error", "timeout", "abandoned")]  # not a duplicate
-    return {"failed_trial": failed[-1]} if failed else {}
+    return failed[-1] if failed else None
 
 
 @contextmanager
@@ -346,15 +351,12 @@ def _sqlite_lock(url: str):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _earlier_twin(study, trial) -> int | None:
-    """An earlier trial of the same point and stage that did not fail: it is the one to probe."""
+def _twin_in(earlier: list) -> int | None:
+    """The first of these earlier trials of a point that did not fail: it is the one to probe."""
     from optuna.trial import TrialState
 
-    purpose = trial.user_attrs.get("purpose")
-    for other in study.get_trials(deepcopy=False, states=(TrialState.WAITING, TrialState.RUNNING,
-                                                          TrialState.COMPLETE, TrialState.PRUNED)):
-        if (other.number < trial.number and params_of(other) == trial.params
-                and other.user_attrs.get("purpose") == purpose and other.user_attrs.get("status") != "decided"):
+    for other in earlier:
+        if other.state != TrialState.FAIL and other.user_attrs.get("status") != "decided":
             return other.number
     return None
 
