@@ -11,6 +11,23 @@ from tests.conftest import tiny_job
 MiB = 2**20
 
 
+def _mlp_stack(blocks: int, width: int):
+    """`blocks` frozen bf16 MLP blocks (up to 4x `width`, gelu, down, residual), seeded so every
+    call builds the same weights: the stack the quantization and offloading checks measure."""
+    import torch
+
+    class Mlp(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+        def forward(self, x):
+            return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+    torch.manual_seed(0)
+    return torch.nn.ModuleList(Mlp() for _ in range(blocks)).to(torch.bfloat16).requires_grad_(False)
+
+
 # -- item 1: 8-bit with optimum-quanto, whose layers let checkpointing free their inputs -----------
 def _checkpointed_blocks(qtype: str | None, blocks: int = 8, width: int = 256):
     """Live bytes after a checkpointed forward of `blocks` MLP blocks (a LoRA on every Linear), and
@@ -22,16 +39,7 @@ def _checkpointed_blocks(qtype: str | None, blocks: int = 8, width: int = 256):
     from fitfinder.probe.meter import StorageTracker, inner_tensors, tensors_of
     from fitfinder.models._weights import quantize
 
-    class Mlp(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
-
-        def forward(self, x):
-            return x + self.down(torch.nn.functional.gelu(self.up(x)))
-
-    torch.manual_seed(0)
-    stack = torch.nn.ModuleList(Mlp() for _ in range(blocks)).to(torch.bfloat16).requires_grad_(False)
+    stack = _mlp_stack(blocks, width)
     if qtype:
         assert quantize(stack, qtype) == 2 * blocks
     stack = inject_adapter_in_model(LoraConfig(r=8, target_modules=["up", "down"]), stack)
@@ -224,16 +232,7 @@ def _offloaded_blocks(share: float, blocks: int = 8, width: int = 256):
     from fitfinder.models import _offload
     from fitfinder.probe import meter as meters
 
-    class Mlp(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
-
-        def forward(self, x):
-            return x + self.down(torch.nn.functional.gelu(self.up(x)))
-
-    torch.manual_seed(0)
-    stack = torch.nn.ModuleList(Mlp() for _ in range(blocks)).to(torch.bfloat16).requires_grad_(False)
+    stack = _mlp_stack(blocks, width)
     meter = meters.SimMeter(None)
     with meter.tracker:
         meter.register(stack)
