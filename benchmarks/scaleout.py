@@ -14,7 +14,8 @@
    Time to the end and probes, summed, for today's speculation ("kary": best-first over the
    pending outcomes, the speed climb's open levels at once, the likely winner confirmed while
    the last speed probes run) and the two that start confirmations on guesses
-   ("confirm-winner", "confirm-base"), each winner checked against the brute-force optimum;
+   ("confirm-winner", "confirm-base"; these live in tests/standin.py, not in the product), each
+   winner checked against the brute-force optimum;
    then the time per scenario, and with --bound N the time N workers take (what the plan's
    chain allows however many workers there are).
 3. The storage: N processes each claiming and recording trials as fast as they can (no probe in
@@ -116,7 +117,7 @@ def stress_sqlite(writers: int, per_writer: int, lock: bool = True) -> dict:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-SPECULATIONS = ("kary", "confirm-winner", "confirm-base")  # today's plan_around, and the two measured against it
+SPECULATIONS = ("kary", "confirm-winner", "confirm-base")  # today's plan_around, and two of tests.standin.SPECULATIONS
 CLOCKS = ("flat", "demo", "card")  # tests.standin.CLOCKS: before (1 a probe, 3 a confirmation), and the recipe's
 
 
@@ -186,7 +187,7 @@ def main() -> None:
     parser.add_argument("--bound", type=int, nargs="*", default=[],
                         help="also these worker counts for the plan, to show what its chain allows")
     parser.add_argument("--speculations", nargs="+", default=list(SPECULATIONS),
-                        help="plan_around's speculations to compare (also: halving, the one before kary)")
+                        help="tests.standin.SPECULATIONS to compare (also: halving, the one before kary)")
     parser.add_argument("--clocks", nargs="+", default=list(CLOCKS),
                         help="the stand-in's clocks (tests.standin.CLOCKS)")
     args = parser.parse_args()

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from fitfinder import jobconfig, search, space as spaces
+from fitfinder.search.planner import CONFIRM_FACTOR, _among, _open_speed, _with_guess
 
 MiB = 2**20
 
@@ -194,19 +195,87 @@ def true_optimum(space: spaces.Space, budget: int, margin: float = 0.05):
     return min(ties, key=lambda p: (outcome(p, budget)["peak_bytes"], seconds_per_step(p) / p.get("batch", 1)))
 
 
+# -- the speculations measured against the search's (benchmarks/scaleout.py, docs/scaleout.md) ----
+def _plan_around_halving(space: spaces.Space, known: search.Knowledge, pending: list, depth: int = 3) -> search.Step:
+    """The earlier speculation: plan as if the pending point the plan asks for fit, then as if it
+    failed (in every phase), `depth` outcomes deep, and take the first answer nobody probes yet."""
+    step = search.plan(space, known)
+    if step.point is None or not _among(space, step.point, pending):
+        return step
+    if depth == 0 or step.purpose == "confirm":
+        return search.Step(None)  # confirmations rarely fail: waiting beats speculating on one
+    guess = pending[[space.key(p) for p in pending].index(space.key(step.point))]
+    rest = [p for p in pending if p is not guess]
+    for verdict in ("ok", "oom"):
+        branch = _with_guess(space, known, guess, verdict)
+        nested = _plan_around_halving(space, branch, rest, depth - 1)
+        if nested.point is not None and not _among(space, nested.point, pending):
+            return search.Step(nested.point, nested.purpose, nested.steps_factor)
+    return search.Step(None)
+
+
+def _speed_step(point: dict, confirm: bool) -> search.Step:
+    """A speed setting to probe beside others; with `confirm` (the heaviest one still open, the
+    likeliest winner) as a confirmation at once, so that if it fits and wins the search need not
+    wait for a confirmation after it."""
+    return search.Step(point, "confirm", CONFIRM_FACTOR) if confirm else search.Step(point, "speed")
+
+
+def _winner_confirming_choices(space: spaces.Space, known: search.Knowledge, step: search.Step):
+    """planner._choices, but a confirmation a branch of the guesses asks for is taken too, and the
+    heaviest open speed setting is probed as a confirmation ("confirm-winner")."""
+    if step.point is None:
+        return
+    if step.purpose != "speed":
+        yield search.Step(step.point, step.purpose, step.steps_factor)
+        return
+    open_speed = _open_speed(space, known)
+    yield _speed_step(step.point, open_speed[:1] == [step.point])
+    for rank, point in enumerate(open_speed):
+        yield _speed_step(point, rank == 0)
+
+
+def _plan_around_confirming_winner(space: spaces.Space, known: search.Knowledge, pending: list,
+                                   depth: int = 3) -> search.Step:
+    return search.plan_around(space, known, pending, depth, choices=_winner_confirming_choices)
+
+
+def _plan_around_confirming_base(space: spaces.Space, known: search.Knowledge, pending: list,
+                                 depth: int = 3) -> search.Step:
+    """plan_around, but the desired point's confirmation starts beside its base probe
+    ("confirm-base"): if the job fits as written the search ends with it. A point pending twice is
+    the base and its confirmation (pending points carry no purpose): then there is nothing to add."""
+    step = search.plan(space, known)
+    if step.point is None or step.purpose != "base" or not _among(space, step.point, pending):
+        return search.plan_around(space, known, pending, depth)
+    if sum(space.key(point) == space.key(step.point) for point in pending) > 1:
+        return search.Step(None)
+    return search.Step(step.point, "confirm", CONFIRM_FACTOR)
+
+
+# The search's plan_around ("kary"), and the speculations kept to measure against it: "halving",
+# the one before it, and two that start confirmations on guesses (docs/scaleout.md has the figures).
+SPECULATIONS = {"kary": search.plan_around, "halving": _plan_around_halving,
+                "confirm-winner": _plan_around_confirming_winner, "confirm-base": _plan_around_confirming_base}
+
+
 def simulate_workers(space: spaces.Space, budget: int, workers: int, speculation: str = "kary",
                      clock: str = "flat"):
-    """Workers sharing one plan: each free worker asks plan_around (with `speculation`) for a
-    point nobody probes yet. On the "flat" clock a probe takes 1 and a confirmation 3 whatever
-    happens; on "demo" and "card" each takes what its recipe runs before it ends (probe_time).
+    """Workers sharing one plan: each free worker asks the `speculation` (SPECULATIONS: plan_around,
+    or one measured against it) for a point nobody probes yet. On the "flat" clock a probe takes 1
+    and a confirmation 3 whatever happens; on "demo" and "card" each takes what its recipe runs
+    before it ends (probe_time).
     Returns (time to the end, the probed (purpose, point) list, the winner)."""
     import heapq
 
+    if speculation not in SPECULATIONS:
+        raise ValueError(f"speculation must be one of {tuple(SPECULATIONS)} but got {speculation!r}")
+    plan_around = SPECULATIONS[speculation]
     known = search.Knowledge(space, int(budget * 0.95))
     now, events, pending, probed, idle, number = 0.0, [], [], [], list(range(workers)), 0
     while True:
         while idle:
-            step = search.plan_around(space, known, [point for _, point in pending], speculation=speculation)
+            step = plan_around(space, known, [point for _, point in pending])
             if step.point is None:
                 break
             idle.pop()

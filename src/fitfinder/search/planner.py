@@ -214,11 +214,7 @@ def plan(space: Space, known: Knowledge) -> Step:
     return Step(None, decided=decided)
 
 
-SPECULATIONS = ("halving", "kary", "confirm-winner", "confirm-base")
-
-
-def plan_around(space: Space, known: Knowledge, pending: list[Point], depth: int = 3,
-                speculation: str = "kary") -> Step:
+def plan_around(space: Space, known: Knowledge, pending: list[Point], depth: int = 3, choices=None) -> Step:
     """The next point for one more worker while `pending` points are being probed by others.
 
     With nothing pending this is `plan`: one worker's search is the plan's. When the plan's next
@@ -238,80 +234,48 @@ def plan_around(space: Space, known: Knowledge, pending: list[Point], depth: int
 
     The speculation only picks *which* point to probe; every result the search learns from is a
     real one, and a point being probed is never planned again. Step(None) with points pending
-    means "wait for them". speculation="halving" is the earlier depth-first walk, the fit branch
-    first (_plan_around_halving); "confirm-winner" and "confirm-base" start confirmations on
-    guesses (_speed_step, _base_confirmation). All three are kept to measure against in
-    benchmarks/scaleout.py, where neither confirming one beats "kary" (docs/scaleout.md).
+    means "wait for them". `choices(space, known, step)` says, for the plan's step on what is
+    known or guessed, the steps a worker may take in order (_choices, what the search runs);
+    benchmarks/scaleout.py measures others against it through tests/standin.py (docs/scaleout.md).
     """
-    if speculation == "halving":
-        return _plan_around_halving(space, known, pending, depth)
-    if speculation not in SPECULATIONS:
-        raise ValueError(f"speculation must be one of {SPECULATIONS} but got {speculation!r}")
+    choices = choices or _choices
     step = plan(space, known)
     if step.point is None or not _among(space, step.point, pending):
         return step
     if step.purpose == "confirm":
         return Step(None)  # the winner is being confirmed: nothing is left to plan on
-    if speculation == "confirm-base" and step.purpose == "base":
-        return _base_confirmation(space, step.point, pending)
-    confirming = speculation == "confirm-winner"
-    speed_stage = step.purpose == "speed"
-    for rank, point in enumerate(_open_speed(space, known) if speed_stage else ()):
-        if not _among(space, point, pending):
-            return _speed_step(point, confirming and rank == 0)
-    guess = _speculate(space, known, pending, step.point, 0.5 ** depth, confirming)
-    if guess.point is None and speed_stage:
+    for choice in choices(space, known, step):
+        if not _among(space, choice.point, pending):
+            return choice
+    guess = _speculate(space, known, pending, step.point, 0.5 ** depth, choices)
+    if guess.point is None and step.purpose == "speed":
         leader = best(space, known)
         if leader is not None and not known.confirmed(leader.point) and not _among(space, leader.point, pending):
             return Step(leader.point, "confirm", CONFIRM_FACTOR)
     return guess
 
 
-def _plan_around_halving(space: Space, known: Knowledge, pending: list[Point], depth: int) -> Step:
-    """The earlier speculation: plan as if the pending point the plan asks for fit, then as if it
-    failed (in every phase), `depth` outcomes deep, and take the first answer nobody probes yet."""
-    step = plan(space, known)
-    if step.point is None or not _among(space, step.point, pending):
-        return step
-    if depth == 0 or step.purpose == "confirm":
-        return Step(None)  # confirmations rarely fail: waiting beats speculating on one
-    guess = pending[[space.key(p) for p in pending].index(space.key(step.point))]
-    rest = [p for p in pending if p is not guess]
-    for verdict in ("ok", "oom"):
-        branch = _with_guess(space, known, guess, verdict)
-        nested = _plan_around_halving(space, branch, rest, depth - 1)
-        if nested.point is not None and not _among(space, nested.point, pending):
-            return Step(nested.point, nested.purpose, nested.steps_factor)
-    return Step(None)
-
-
-def _base_confirmation(space: Space, desired: Point, pending: list[Point]) -> Step:
-    """The desired point's confirmation beside its base probe ("confirm-base"): if the job fits as
-    written the search ends with it. A point pending twice is the base and its confirmation
-    (pending points carry no purpose): then there is nothing to add."""
-    key = space.key(desired)
-    if sum(space.key(point) == key for point in pending) > 1:
-        return Step(None)
-    return Step(desired, "confirm", CONFIRM_FACTOR)
-
-
-def _speed_step(point: Point, confirm: bool) -> Step:
-    """A speed setting to probe beside others; with `confirm` ("confirm-winner": the heaviest one
-    still open, the likeliest winner) as a confirmation at once, so that if it fits and wins the
-    search need not wait for a confirmation after it."""
-    return Step(point, "confirm", CONFIRM_FACTOR) if confirm else Step(point, "speed")
+def _choices(space: Space, known: Knowledge, step: Step):
+    """The steps a worker may take for the plan's `step`, in order: the step itself, then at the
+    speed stage the open speed settings, heaviest first (_open_speed). None for a confirmation,
+    which waits for the real results it rests on."""
+    if step.point is None or step.purpose == "confirm":
+        return
+    yield Step(step.point, step.purpose, step.steps_factor)
+    for point in _open_speed(space, known) if step.purpose == "speed" else ():
+        yield Step(point, "speed")
 
 
 def _speculate(space: Space, known: Knowledge, pending: list[Point], first: Point, least_odds: float,
-               confirming: bool = False) -> Step:
+               choices) -> Step:
     """The likeliest point that a branch of the pending outcomes needs and nobody probes yet.
 
     Best-first over the tree of guesses: a branch is `known` plus a guessed outcome of each
     pending point the plan asked for on the way, as likely as its guesses together (a fit and a
     failure even odds, a failure only in a phase where it would contradict no result). Branches
-    less likely than `least_odds` are not searched. Step(None) if no branch needs a new point.
-    With `confirming` ("confirm-winner") a branch's confirmation is taken too, and its heaviest
-    open speed setting is probed as a confirmation.
+    less likely than `least_odds` are not searched. A branch offers what `choices` gives for its
+    plan's step; one that offers nothing is not searched further. Step(None) if no branch needs a
+    new point.
     """
     import heapq
 
@@ -334,16 +298,12 @@ def _speculate(space: Space, known: Knowledge, pending: list[Point], first: Poin
             break
         branch = _with_guess(space, before, guess, "ok" if failed_in is None else "oom", failed_in)
         step = plan(space, branch)
-        if step.point is None or (step.purpose == "confirm" and not confirming):
-            continue  # a confirmation waits for the real results it rests on
-        if not _among(space, step.point, pending):
-            if step.purpose == "speed":
-                return _speed_step(step.point, confirming and _open_speed(space, branch)[:1] == [step.point])
-            return Step(step.point, step.purpose, step.steps_factor)
-        for rank, point in enumerate(_open_speed(space, branch) if step.purpose == "speed" else ()):
-            if not _among(space, point, pending):
-                return _speed_step(point, confirming and rank == 0)
-        if _among(space, step.point, rest):
+        offered = False
+        for choice in choices(space, branch, step):
+            if not _among(space, choice.point, pending):
+                return choice
+            offered = True
+        if offered and _among(space, step.point, rest):
             branch_on(branch, rest, step.point, -minus_odds)
     return Step(None)
 
