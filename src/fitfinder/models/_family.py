@@ -29,7 +29,7 @@ class Placement:
     nothing: it comes onto the device in full precision and is quantized there
     (toolkit/util/quantize.py `quantize` on a part already moved), it stays there, and after the
     load the device presets place it by its kind (toolkit/stable_diffusion_model.py
-    `set_device_state_preset`; SDTrainer `hook_before_train_loop`, see probe.recipe.resident).
+    `set_device_state_preset`; SDTrainer `hook_before_train_loop`, see Family.resident_in).
     AI Toolkit commit 27a03a91.
     """
 
@@ -57,6 +57,42 @@ class Placement:
 
     def waits(self, quantized: bool) -> bool:
         return self.after_load == "waits" or (self.after_load == "waits if quantized" and quantized)
+
+    def loading(self, part: str, quantized: bool) -> Loading:
+        """How the part is loaded: built where it is quantized (a follower in host memory, to come with
+        the part it follows), brought onto the device unless it is built in host memory only to stay
+        there, then kept, sent back, or sent back to come again once the later parts are loaded (the
+        loaders the family's Placement cites: toolkit/stable_diffusion_model.py `load_model`, each
+        model's own `load_model`, toolkit/util/quantize.py `quantize_model`)."""
+        waits = self.waits(quantized)
+        leaves = waits or self.after_load == "leaves"
+        built_on_host = self.quantized_on == "host" or self.follows is not None
+        comes_on = self.follows is None and not (built_on_host and leaves)
+        return Loading(part, built_on_host, comes_on, leaves, waits)
+
+    def on_device_in(self, phase: str, by_the_presets: bool, active: bool, preview_step: str | None) -> bool:
+        """Whether the part is on the device in `phase` by its own rules (a part that follows another
+        is where that one is: Family.with_followers): where the presets put it (`by_the_presets`) or
+        `also_in` says, unless outside `only_in`, not the `active` denoiser when `only_when_active`,
+        or, inside a preview at `preview_step`, not in `in_previews`."""
+        if self.follows is not None or (self.only_in is not None and phase not in self.only_in):
+            return False
+        if self.only_when_active and not active:
+            return False
+        if preview_step is not None and self.in_previews is not None and preview_step not in self.in_previews:
+            return False
+        return by_the_presets or phase in self.also_in
+
+
+@dataclass(frozen=True)
+class Loading:
+    """How one part is loaded, as its Placement says (Family.load_plan)."""
+
+    part: str
+    built_on_host: bool  # built in host memory: quantized there, or waiting for the part it follows
+    comes_on: bool  # onto the device once built: whole, to be quantized there, or quantized already
+    leaves: bool  # back to host memory once loaded (its layers offloaded first)
+    waits: bool  # onto the device again once every later part is loaded
 
 
 SHARED = Placement()
@@ -108,8 +144,9 @@ class Family:
     load_order: tuple[str, ...] = ()
     # Where each part is, while loading and in each phase: part -> Placement, for the parts whose
     # loader or model class departs from AI Toolkit's shared code (`SHARED`), without low_vram (`placement`)
-    # and with it (`low_vram`; a part it leaves out is placed as without). Read by models._pipeline.load
-    # (the load) and probe.recipe.resident (the phases) only.
+    # and with it (`low_vram`; a part it leaves out is placed as without). Read through `placed`, and
+    # interpreted only by `load_plan` / `after_load` (models._pipeline.load) and `resident_in`
+    # (probe.recipe.resident), so a rule means the same while loading and in every phase.
     placement: dict = field(default_factory=dict)
     low_vram: dict = field(default_factory=dict)
     # Phases whose computation the family's Recipe changes with low_vram (LTX-2's frame-wise VAE tiles).
@@ -132,6 +169,34 @@ class Family:
         """Where `part` is, as this family declares it or AI Toolkit's shared code puts it."""
         declared = self.low_vram if low_vram and part in self.low_vram else self.placement
         return declared.get(part, SHARED)
+
+    def load_plan(self, low_vram: bool, quantized: set[str]) -> list[Loading]:
+        """How each part is loaded, in AI Toolkit's load order (`load_order`, else `parts`), by its
+        Placement with or without low_vram; `quantized`: the parts the job quantizes."""
+        return [self.placed(part, low_vram).loading(part, part in quantized) for part in self.load_order or self.parts]
+
+    def after_load(self, low_vram: bool, quantized: set[str]) -> set[str]:
+        """The parts on the device once every part is loaded: those that came and stayed, those that
+        waited for the later parts, and the parts that follow them."""
+        arrived = {step.part for step in self.load_plan(low_vram, quantized)
+                   if (step.comes_on and not step.leaves) or step.waits}
+        return self.with_followers(arrived, low_vram)
+
+    def resident_in(self, phase: str, by_the_presets: set[str], low_vram: bool, active: str,
+                    preview_step: str | None = None) -> set[str]:
+        """The parts on the device during `phase`, from those AI Toolkit's device presets put there
+        (`by_the_presets`; probe.recipe._by_the_presets): each part's Placement adds phases
+        (`also_in`), bounds them (`only_in`), keeps one of several denoisers (`only_when_active`:
+        `active`), ties a part to another (`follows`), or, inside a preview at `preview_step`
+        ("denoise" or "decode"), keeps it to the steps its preview pipeline has it on the device
+        for (`in_previews`), with low_vram or without as the family declares."""
+        wanted = {part for part in self.parts if self.placed(part, low_vram).on_device_in(
+            phase, part in by_the_presets, part == active, preview_step)}
+        return self.with_followers(wanted, low_vram)
+
+    def with_followers(self, parts: set[str], low_vram: bool) -> set[str]:
+        """`parts` and every part that follows one of them (Placement.follows)."""
+        return set(parts) | {part for part in self.parts if self.placed(part, low_vram).follows in parts}
 
     @property
     def low_vram_moves(self) -> frozenset:

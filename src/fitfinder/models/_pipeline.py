@@ -6,8 +6,9 @@ device as it is loaded and is quantized there (the full-precision weights sit on
 their layer is swapped, which is why quantizing a large model can run out of memory at load), and
 stays. Where a family's loader departs from that, with or without `low_vram`, its Family.placement
 and Family.low_vram say so (models/_family.py, Placement): FLUX.1 quantizes its transformer in host
-memory under low_vram, Wan 2.1 parks it there while UMT5 loads, and so on. What a family drops
-from a part before placing it is Family.dropped.
+memory under low_vram, Wan 2.1 parks it there while UMT5 loads, and so on; Family.load_plan reads
+those rules, this module carries them out. What a family drops from a part before placing it is
+Family.dropped.
 """
 
 from __future__ import annotations
@@ -65,37 +66,33 @@ class Pipeline:
 def load(spec: dict, settings: dict, meter) -> Pipeline:
     """Every part, quantized as the job says, with a LoRA on each trained denoiser.
 
-    Each part goes where its Placement says (models/_family.py): onto the device whole and quantized
-    there, or quantized in host memory first; then it stays, waits in host memory until the later
-    parts are loaded, or leaves for a phase to bring back. A part that follows another comes with it.
+    Each part goes where its Placement says (Family.load_plan, models/_family.py): onto the device
+    whole and quantized there, or quantized in host memory first; then it stays, waits in host
+    memory until the later parts are loaded, or leaves for a phase to bring back. A part that
+    follows another comes with it (Family.after_load).
     """
     pipe = Pipeline(spec, settings, meter)
     family, low_vram = pipe.family, settings["low_vram"]
-    waiting = set()
-    for part in family.load_order or family.parts:
-        where = family.placed(part, low_vram)
-        qtype = _quantization(family, part, settings)
-        off_device = where.waits(bool(qtype)) or where.after_load == "leaves"
-        on_host = where.quantized_on == "host" or where.follows is not None
+    qtypes = {part: _quantization(family, part, settings) for part in family.parts}
+    quantized = {part for part, qtype in qtypes.items() if qtype}
+    for loading in family.load_plan(low_vram, quantized):
+        part, qtype = loading.part, qtypes[loading.part]
         with meter.host():
-            module = _build(spec, part, pipe.dtype, "cpu" if on_host else meter.device, meter)
+            module = _build(spec, part, pipe.dtype, "cpu" if loading.built_on_host else meter.device, meter)
             for path in family.dropped.get(part, ()):  # gone before anything counts it
                 owner, _, name = path.rpartition(".")
                 setattr(module.get_submodule(owner), name, None)
-            if qtype and on_host:
+            if qtype and loading.built_on_host:
                 quantize(module, qtype, meter.repeated)
         pipe.parts[part] = module
-        if where.follows is None and not (on_host and off_device):
+        if loading.comes_on:
             pipe.place(pipe.on_device | {part})  # whole, to be quantized here, or quantized already
-            if qtype and not on_host:
+            if qtype and not loading.built_on_host:
                 quantize(pipe.parts[part], qtype, meter.repeated)
         _offload_layers(pipe, part, settings)  # after quantizing, before the LoRA, wherever the part is
-        if off_device:
+        if loading.leaves:
             pipe.place(pipe.on_device - {part})
-        if where.waits(bool(qtype)):
-            waiting.add(part)
-    arrived = pipe.on_device | waiting
-    pipe.place(arrived | {part for part in family.parts if family.placed(part, low_vram).follows in arrived})
+    pipe.place(family.after_load(low_vram, quantized))
     make_trainable = _add_lora if settings["rank"] else _train_whole
     for name in settings["trained"]:
         if name in pipe.on_device:

@@ -158,31 +158,13 @@ def _phase(name: str, pipe, request: dict):
 
 def resident(phase: str, request: dict, family, active: str | None = None,
              preview_step: str | None = None) -> set[str]:
-    """The parts on the device during `phase`: the one place that reads where parts are after load.
-
-    AI Toolkit's device presets place each part by its kind (toolkit/stable_diffusion_model.py,
-    set_device_state_preset; AI Toolkit commit 27a03a91; see `_by_the_presets`); a family's
-    Placement adds phases (`also_in`), bounds them (`only_in`), keeps one of several denoisers
-    (`only_when_active`: `active`, else the first trained one), ties a part to another (`follows`),
-    or, inside a preview at `preview_step` ("denoise" or "decode"), keeps it to the steps its preview
-    pipeline has it on the device for (`in_previews`), with low_vram or without as the family
-    declares (models/_family.py).
-    """
-    low_vram, presets = request["low_vram"], _by_the_presets(phase, request, family)
-    active = active or request["trained"][0]
-    wanted = set()
-    for part in family.parts:
-        where = family.placed(part, low_vram)
-        on = part in presets or phase in where.also_in
-        if where.only_in is not None and phase not in where.only_in:
-            on = False
-        if where.only_when_active and part != active:
-            on = False
-        if preview_step is not None and where.in_previews is not None and preview_step not in where.in_previews:
-            on = False
-        if on and where.follows is None:
-            wanted.add(part)
-    return wanted | {part for part in family.parts if family.placed(part, low_vram).follows in wanted}
+    """The parts on the device during `phase`: the ones AI Toolkit's device presets put there
+    (toolkit/stable_diffusion_model.py, set_device_state_preset; AI Toolkit commit 27a03a91; see
+    `_by_the_presets`), as the family's Placement changes them (Family.resident_in, the one place
+    that reads a part's rules after load). `active`: the denoiser predicting, else the first
+    trained one; `preview_step`: "denoise" or "decode" inside a preview."""
+    presets = _by_the_presets(phase, request, family)
+    return family.resident_in(phase, presets, request["low_vram"], active or request["trained"][0], preview_step)
 
 
 def _by_the_presets(phase: str, request: dict, family) -> set[str]:
