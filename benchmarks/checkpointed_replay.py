@@ -75,7 +75,8 @@ def main() -> None:
                 same = all(on["phase_stats"][phase][key] == stats[key] for key in PEAKS)
                 all_same &= same and list(on["phase_stats"]) == list(off["phase_stats"])
                 print(f"{name:50} {phase:12} {stats['peak_reserved']:>16,} {'yes' if same else 'NO':>5}")
-            print(f"{name:50} {'(all)':12} {'':>16} {'':>5}   {on.get('cpu_seconds')} / {off.get('cpu_seconds')}")
+            print(f"{name:50} {'(all)':12} {'':>16} {'':>5}   {on.get('cpu_seconds')} / {off.get('cpu_seconds')}"
+                  f"   checkpointed blocks replayed: {(on.get('replayed') or {}).get('CheckpointedBlocks')}")
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
     print("every phase the same to the byte" if all_same else "SOME PHASES DIFFER")
     sys.exit(0 if all_same else 1)
