@@ -581,8 +581,9 @@ class CheckpointedBlocks:
     the same allocations once per block, twice over (forward, then recompute and backward): half
     of a FLUX.1-dev estimate.
 
-    For each ModuleList of blocks (FLUX.1-dev: 19 double and 38 single blocks), the first block
-    runs and its forward is measured (its peak over the live bytes at its start, and its outputs);
+    For each ModuleList of blocks (FLUX.1-dev: 19 double and 38 single blocks), the first block of
+    each kind runs and its forward is measured (its peak over the live bytes at its start, and its
+    outputs; FLUX's first double block takes inputs that need no gradient, so its second is);
     the one before the last runs, and its backward is measured, from the first of its nodes to
     the last (`_BackwardStart`, `_BackwardEnd`: identity functions around it): its peak over the
     live bytes at the start, the gradients of its inputs, and which LoRA parameters it gave a new
@@ -591,9 +592,10 @@ class CheckpointedBlocks:
     the same kind (`_key`: class, parameter layouts and gradients, argument layouts), replays
     both through `_Replayed`: its forward makes the recorded peak over what is live then, and
     new outputs of the recorded layouts, and holds the inputs as the checkpoint frame does; its
-    backward, which autograd runs before the measured block's backward (blocks run backwards),
-    makes the measured peak over what is live then, new input gradients of the recorded layouts,
-    and its own LoRA parameters' gradients.
+    backward, which autograd runs after the measured block's (a stack goes back from its last
+    block, so the one before the last is the first of its kind to go back), makes the measured
+    peak over what is live then, new input gradients of the recorded layouts, and its own LoRA
+    parameters' gradients.
 
     Exact where used, and used only there: checkpointing on, gradients on, nothing made in host
     memory, no module hooks, no offloaded layer (its copies outlive it in the staging rings), no
@@ -731,7 +733,7 @@ class CheckpointedBlocks:
 class _BackwardTrace:
     """The backward of one checkpointed block, from its first node to its last, as a replay makes it
     again: the peak over the live bytes at its start, the layouts of the gradients it received and
-    of those it returned, the LoRA parameters it gave a new gradient. `verdict()` keeps it in the
+    of those it returned, the LoRA parameters it gave a new gradient. `_exact()` keeps it in the
     blocks' `backwards` only when what it left and freed is what a replay leaves and frees."""
 
     def __init__(self, blocks: CheckpointedBlocks, key: tuple, trained: list):
