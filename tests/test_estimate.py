@@ -184,6 +184,58 @@ def test_a_block_that_fills_in_a_list_argument_always_runs():
     assert stats == _run_stack("list", replay=False)[0]
 
 
+_DEEP_ESTIMATE = """
+import json, sys
+from fitfinder import probe
+from fitfinder.probe import estimate
+from fitfinder.probe.overhead import GpuOverhead
+from tests.conftest import tiny_job
+
+family, changes = sys.argv[1], json.loads(sys.argv[2])
+request = probe.request_for(tiny_job(family, changes), 8, "sim", None)
+for name, part in request["model"]["arch"]["parts"].items():
+    if name.startswith("transformer"):  # six blocks a stack: the first, three replayed, the last two
+        part.update({key: 6 for key in ("num_layers", "num_single_layers") if key in part})
+result = estimate.InProcess(600).run(estimate.as_estimate(request, GpuOverhead.none()))
+print(json.dumps({key: result.get(key) for key in ("status", "error", "phase_stats", "replayed")}))
+"""
+
+
+def _deep_tiny_estimate(family: str, changes: dict, replay: bool) -> dict:
+    """The tiny job with six blocks in each stack, estimated in a fresh process (an estimate that
+    quantizes leaves the process a few cached tensors the next one does not count)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FITFINDER_REPLAY_CHECKPOINTED": "1" if replay else "0",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    done = subprocess.run([sys.executable, "-c", _DEEP_ESTIMATE, family, json.dumps(changes)], env=env,
+                          capture_output=True, text=True, timeout=600, check=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["status"] == "ok", result["error"]
+    result["phase_stats"] = {phase: {key: value for key, value in stats.items() if key != "seconds"}
+                             for phase, stats in result["phase_stats"].items()}
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "changes", "replays"), [
+    ("flux", {"model.quantize": True, "train.gradient_accumulation": 2}, 4),  # 8-bit weights, gradients kept
+    ("wan22", {"train.optimizer": "adamw8bit"}, 2),  # two experts; the estimate's one step trains one
+])
+def test_checkpointed_blocks_are_replayed_in_training_with_the_same_peaks(family, changes, replays):
+    replayed = _deep_tiny_estimate(family, changes, replay=True)
+    run = _deep_tiny_estimate(family, changes, replay=False)
+    assert replayed["phase_stats"] == run["phase_stats"]  # every phase's three peaks, to the byte
+    # Per stack of six: the first block runs (its inputs need no gradient), the second is measured
+    # forward, the fifth backward, the sixth runs; the third and fourth are replayed. FLUX.1 has two
+    # stacks (double and single blocks), Wan one.
+    assert replayed["replayed"]["CheckpointedBlocks"] == replays
+    assert "CheckpointedBlocks" not in run["replayed"]
+
+
 def _optimizer_and_ema_steps(optimizer_name: str, replay: bool):
     """Two optimizer steps, each with an EMA update, then a preview's swap, over 18 LoRA-like tensors."""
     import torch

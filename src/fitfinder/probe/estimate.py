@@ -62,6 +62,7 @@ class Estimate:
     seconds: float | None = None  # the estimating process, start to result
     cpu_seconds: float | None = None  # its CPU time (on a busy machine, less than `seconds`)
     max_rss_bytes: int | None = None  # its host memory at the highest
+    replayed: dict[str, int] | None = None  # blocks and updates replayed rather than run, by kind of replay
 
     @property
     def phases(self) -> dict[str, int]:
@@ -98,7 +99,7 @@ class Estimate:
             "phase": self.first_phase_over(self.budget_bytes) if self.budget_bytes else None,
             "phases": self.phases, "phase_stats": self.phase_stats, "arch": self.arch_name,
             "overhead": self.overhead.as_dict(), "seconds": self.seconds, "cpu_seconds": self.cpu_seconds,
-            "max_rss_bytes": self.max_rss_bytes,
+            "max_rss_bytes": self.max_rss_bytes, "replayed": self.replayed,
         }
 
 
@@ -185,7 +186,7 @@ def run(job, runner, overhead: GpuOverhead) -> Estimate:
     return Estimate(arch_name=request["model"]["arch_name"], phase_stats=result["phase_stats"],
                     budget_bytes=job.settings.vram_bytes, margin=job.settings.margin, overhead=overhead,
                     seconds=result.get("wall_seconds"), cpu_seconds=result.get("cpu_seconds"),
-                    max_rss_bytes=result.get("max_rss_bytes"))
+                    max_rss_bytes=result.get("max_rss_bytes"), replayed=result.get("replayed"))
 
 
 class Estimator:

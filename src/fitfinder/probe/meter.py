@@ -27,10 +27,11 @@ each storage is also counted as the CUDA caching allocator hands it out; a GPU o
 from __future__ import annotations
 
 import gc
+import os
 import time
 import weakref
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
@@ -155,9 +156,16 @@ class AllocatorTracker(StorageTracker):
         self.blocks: dict[int, int] = {}  # storage id -> allocator bytes
         self.allocated_bytes = 0
         self.peak_allocated_bytes = 0
+        # Storage ids are addresses, which a new storage may take over from a freed one: the order
+        # of births tells them apart (CheckpointedBlocks compares what a block's run made and freed).
+        self.births = 0
+        self.born: dict[int, int] = {}  # storage id -> its birth's number
 
     def _grown(self, key: int, size: int, old: int) -> None:
         super()._grown(key, size, old)
+        if key not in self.blocks:
+            self.births += 1
+            self.born[key] = self.births
         blocks = allocator_bytes(size)
         self.allocated_bytes += blocks - self.blocks.get(key, 0)
         self.blocks[key] = blocks
@@ -166,6 +174,11 @@ class AllocatorTracker(StorageTracker):
     def _forget(self, key: int) -> None:
         super()._forget(key)
         self.allocated_bytes -= self.blocks.pop(key, 0)
+        self.born.pop(key, None)
+
+    def made_since(self, births: int) -> set[int]:
+        """The live storages born after the `births`-th."""
+        return {key for key, born in self.born.items() if born > births}
 
 
 def _counting_fake_mode(tracker: AllocatorTracker):
@@ -378,6 +391,7 @@ class EstimateMeter(SimMeter):
         self.tracker = AllocatorTracker()
         self.outside_bytes = self.overhead.context_bytes
         self._repeated: dict = {}
+        self._replays: list = []  # RepeatedBlocks, CheckpointedBlocks, RepeatedUpdates installed
 
     def __enter__(self) -> "EstimateMeter":
         self.fake_mode = _counting_fake_mode(self.tracker)
@@ -433,14 +447,31 @@ class EstimateMeter(SimMeter):
         return out
 
     def replay_repeated_blocks(self, *parts: torch.nn.Module) -> RepeatedBlocks:
+        """Identical blocks replayed: under no_grad (RepeatedBlocks) and, in training, checkpointed
+        ones (CheckpointedBlocks; FITFINDER_REPLAY_CHECKPOINTED=0 runs them all, for tests and
+        benchmarks that hold the two to the byte)."""
         blocks = RepeatedBlocks(self.tracker)
         blocks.install(*parts)
+        self._replays.append(blocks)
+        if os.environ.get("FITFINDER_REPLAY_CHECKPOINTED", "1") != "0":
+            checkpointed = CheckpointedBlocks(self.tracker)
+            checkpointed.install(*parts)
+            self._replays.append(checkpointed)
         return blocks
 
     def replay_repeated_updates(self, optimizer=None, ema=None) -> RepeatedUpdates:
         updates = RepeatedUpdates(self.tracker)
         updates.install(optimizer, ema)
+        self._replays.append(updates)
         return updates
+
+    def replayed(self) -> dict[str, int]:
+        """How many blocks and updates were replayed rather than run, by kind of replay."""
+        counts: dict[str, int] = {}
+        for replay in self._replays:
+            name = type(replay).__name__
+            counts[name] = counts.get(name, 0) + replay.replayed
+        return counts
 
     def describe(self) -> str:
         return f"estimate meter (fake tensors), {self.overhead.describe()}"
@@ -533,6 +564,374 @@ class RepeatedBlocks:
         tracker.peak_allocated_bytes = max(tracker.peak_allocated_bytes, tracker.allocated_bytes + allocator_rise)
         inputs = list(tensors_returned((args, kwargs)))
         return tree_map_only((_Made, _Given), lambda d: d.make(inputs), structure)
+
+
+class CheckpointedBlocks:
+    """Identical gradient-checkpointed blocks of a training step: a few run, the rest replay.
+
+    AI Toolkit turns checkpointing on with the denoiser's own `enable_gradient_checkpointing()`
+    (jobs/process/BaseSDTrainProcess.py, run), as the recipe does (models/_pipeline.py). Under
+    diffusers' checkpointing every module with a `gradient_checkpointing` flag calls
+    `_gradient_checkpointing_func(block, *args)`, torch.utils.checkpoint with `use_reentrant=False`
+    (ModelMixin.enable_gradient_checkpointing, diffusers 0.42), so a block's forward keeps nothing of its own
+    but its outputs: autograd's saved tensors become placeholders, and the checkpoint frame keeps
+    the block's inputs for the recomputation. Its backward recomputes the forward, keeps what the
+    backward needs, and leaves the gradients of its inputs and of its LoRA parameters. On fake
+    tensors each op costs the same whatever the values, so a stack of identical blocks pays for
+    the same allocations once per block, twice over (forward, then recompute and backward): half
+    of a FLUX.1-dev estimate.
+
+    For each ModuleList of blocks (FLUX.1-dev: 19 double and 38 single blocks), the first block of
+    each kind runs and its forward is measured (its peak over the live bytes at its start, and its
+    outputs; FLUX's first double block takes inputs that need no gradient, so its second is);
+    the one before the last runs, and its backward is measured, from the first of its nodes to
+    the last (`_BackwardStart`, `_BackwardEnd`: identity functions around it): its peak over the
+    live bytes at the start, the gradients of its inputs, and which LoRA parameters it gave a new
+    `.grad`. The last block always runs: its outputs feed other layers (or none: FLUX's last
+    single block's text stream), so its backward starts differently. Every block in between, of
+    the same kind (`_key`: class, parameter layouts and gradients, argument layouts), replays
+    both through `_Replayed`: its forward makes the recorded peak over what is live then, and
+    new outputs of the recorded layouts, and holds the inputs as the checkpoint frame does; its
+    backward, which autograd runs after the measured block's (a stack goes back from its last
+    block, so the one before the last is the first of its kind to go back), makes the measured
+    peak over what is live then, new input gradients of the recorded layouts, and its own LoRA
+    parameters' gradients.
+
+    Exact where used, and used only there: checkpointing on, gradients on, nothing made in host
+    memory, no module hooks, no offloaded layer (its copies outlive it in the staging rings), no
+    list or dict argument, no trainable parameter but LoRA's (peft's `lora_` names), every output
+    a storage of its own that needs a gradient, nothing else left alive by the forward, and every
+    input that needs a gradient an output of the block before it in the same list (so its
+    gradient is the block's alone, delivered as the measured block delivered it). The measured
+    backward must have left only its input gradients and new LoRA gradients, freed only the
+    gradients it was given and the inputs the frame held, and received gradients of the layouts
+    a replay receives; a replay checks that, and refuses loudly (never guesses) when not.
+    """
+
+    def __init__(self, tracker: AllocatorTracker):
+        self.tracker = tracker
+        self.forwards: dict[tuple, Any] = {}  # key -> (peak rise, allocator peak rise, output layouts) or None
+        self.backwards: dict[tuple, Any] = {}  # key -> _BackwardTrace or None
+        self.places: dict[int, tuple[int, int, int]] = {}  # id(block) -> (id of its list, index, length)
+        self.last_outputs: dict[int, tuple[int, list]] = {}  # id(list) -> (index, weak refs to its outputs)
+        self.pending: dict[tuple, int] = {}  # key -> replays whose backward waits for a measurement
+        self.replayed = 0
+
+    def install(self, *parts: torch.nn.Module) -> None:
+        for part in parts:
+            for stack in part.modules():
+                if isinstance(stack, torch.nn.ModuleList):
+                    for index, block in enumerate(stack):
+                        self.places[id(block)] = (id(stack), index, len(stack))
+            for module in part.modules():
+                checkpoint = getattr(module, "_gradient_checkpointing_func", None)
+                if checkpoint is not None and getattr(module, "gradient_checkpointing", False):
+                    module._gradient_checkpointing_func = self._wrap(checkpoint)
+
+    def _wrap(self, checkpoint):
+        def checkpointed(block, *args, **kwargs):
+            place = self.places.get(id(block))
+            key = self._key(block, args) if place is not None and not kwargs else None
+            chained = key is not None and self._chained(place, args)
+            if not chained:
+                return self._remember(place, checkpoint(block, *args, **kwargs))
+            _, index, length = place
+            needing = any(t.requires_grad for t in tensors_returned(args))
+            if index == length - 2 and self.pending.get(key) and key not in self.backwards and needing:
+                out = self._measure_backward(checkpoint, block, args, key)
+            elif index < length - 2 and key not in self.forwards:
+                out = self._measure_forward(checkpoint, block, args, key)
+            elif (index < length - 2 and self.forwards[key] is not None
+                  and self.backwards.get(key, True) is not None and needing):  # not known to be inexact
+                out = self._replay_forward(block, args, key)
+            else:
+                out = checkpoint(block, *args)
+            return self._remember(place, out)
+
+        return checkpointed
+
+    def _remember(self, place, out):
+        if place is not None:  # weakly: holding a block's outputs would keep their memory
+            self.last_outputs[place[0]] = (place[1], [weakref.ref(t) for t in tensors_returned(out)])
+        return out
+
+    def _chained(self, place, args) -> bool:
+        """Every input that needs a gradient is an output of the block before it in the same list."""
+        stack, index, _ = place
+        previous, outputs = self.last_outputs.get(stack, (None, []))
+        needing = [t for t in tensors_returned(args) if t.requires_grad]
+        return index == 0 or (previous == index - 1 and all(any(ref() is t for ref in outputs) for t in needing))
+
+    def _key(self, block, args) -> tuple | None:
+        tracker = self.tracker
+        if not torch.is_grad_enabled() or tracker.paused:
+            return None
+        params, trained = [], []
+        for name, param in block.named_parameters():
+            if param.requires_grad:
+                if "lora_" not in name:
+                    return None  # a full fine-tune's weight: its gradient is not measured here
+                trained.append(param)
+            params.append(tuple((tuple(t.shape), t.dtype, t.untyped_storage()._cdata in tracker.live)
+                                for t in inner_tensors(param)))
+        if any(getattr(module, "offloaded", False) or _hooked(module) for module in block.modules()):
+            return None
+        grads = tuple(None if p.grad is None else _layout_of(p.grad) for p in trained)
+        buffers = tuple((tuple(t.shape), t.dtype) for t in block.buffers())
+        signature = _signature(args)
+        return None if signature is None else (type(block), tuple(params), buffers, grads, signature)
+
+    def _measure_forward(self, checkpoint, block, args, key):
+        """Run the checkpointed block and record its forward, if a replay of it can be exact."""
+        tracker = self.tracker
+        births = tracker.births
+        live, allocated = tracker.live_bytes, tracker.allocated_bytes
+        peaks = tracker.peak_bytes, tracker.peak_allocated_bytes
+        tracker.peak_bytes, tracker.peak_allocated_bytes = live, allocated
+        out = checkpoint(block, *args)
+        rise, allocator_rise = tracker.peak_bytes - live, tracker.peak_allocated_bytes - allocated
+        tracker.peak_bytes = max(peaks[0], tracker.peak_bytes)
+        tracker.peak_allocated_bytes = max(peaks[1], tracker.peak_allocated_bytes)
+        made = list(tensors_returned(out))
+        layouts = _Layouts.of(made)
+        # Exact only when the forward left nothing alive but its outputs, on storages of their own
+        # (FLUX's single block returns two slices of one), each needing a gradient; the checkpoint
+        # frame holds the inputs, alive before it too.
+        own = (layouts is not None and tracker.made_since(births).issuperset(layouts.keys)
+               and tracker.live_bytes - live == sum(layouts.sizes)
+               and all(t.requires_grad and t.dtype.is_floating_point for t in made))
+        structure = tree_map_only(torch.Tensor, lambda t: _Made(tuple(t.shape), t.stride(), t.dtype, t.device), out)
+        self.forwards[key] = (rise, allocator_rise, structure, layouts) if own else None
+        return out
+
+    def _replay_forward(self, block, args, key):
+        """The block's forward without its ops: see `_Replayed`."""
+        structure = self.forwards[key][2]
+        inputs = list(tensors_returned(args))
+        trained = [param for param in block.parameters() if param.requires_grad]
+        made = iter(_Replayed.apply(self, key, len(inputs), trained, *inputs, *trained))
+        self.pending[key] = self.pending.get(key, 0) + 1
+        self.replayed += 1
+        return tree_map_only(_Made, lambda _: next(made), structure)
+
+    def _measure_backward(self, checkpoint, block, args, key):
+        """Run the checkpointed block between two markers that measure its backward (`_BackwardTrace`)."""
+        trace = _BackwardTrace(self, key, [param for param in block.parameters() if param.requires_grad])
+        inputs = list(tensors_returned(args))
+        needing = [index for index, tensor in enumerate(inputs) if tensor.requires_grad]
+        trace.inputs = [(index, inputs[index].untyped_storage()._cdata) for index in needing]
+        trace.input_count = len(inputs)
+        trace.input_keys = {tensor.untyped_storage()._cdata for tensor in inputs}
+        ended = dict(zip((id(inputs[index]) for index in needing),
+                         _BackwardEnd.apply(trace, *(inputs[index] for index in needing))))
+        out = checkpoint(block, *tree_map_only(torch.Tensor, lambda t: ended.get(id(t), t), args))
+        outputs = [t for t in tensors_returned(out) if t.requires_grad]
+        started = dict(zip((id(t) for t in outputs), _BackwardStart.apply(trace, *outputs)))
+        return tree_map_only(torch.Tensor, lambda t: started.get(id(t), t), out)
+
+
+class _BackwardTrace:
+    """The backward of one checkpointed block, from its first node to its last, as a replay makes it
+    again: the peak over the live bytes at its start, the layouts of the gradients it received and
+    of those it returned, the LoRA parameters it gave a new gradient. `_exact()` keeps it in the
+    blocks' `backwards` only when what it left and freed is what a replay leaves and frees."""
+
+    def __init__(self, blocks: CheckpointedBlocks, key: tuple, trained: list):
+        self.blocks, self.key, self.trained = blocks, key, trained
+        self.inputs: list[tuple[int, int]] = []  # (flat index, storage) of each input that needs a gradient
+        self.input_count = 0
+        self.input_keys: set[int] = set()
+
+    def started(self, grads) -> None:
+        tracker = self.blocks.tracker
+        self.incoming = _Layouts.of(grads)
+        self.incoming_keys = {g.untyped_storage()._cdata for g in grads if g is not None}
+        self.before = dict(tracker.live)
+        self.births = tracker.births
+        self.live, self.allocated = tracker.live_bytes, tracker.allocated_bytes
+        self.peaks = tracker.peak_bytes, tracker.peak_allocated_bytes
+        self.grads_before = [None if p.grad is None else p.grad.untyped_storage()._cdata for p in self.trained]
+        tracker.peak_bytes, tracker.peak_allocated_bytes = self.live, self.allocated
+
+    def ended(self, grads) -> None:
+        tracker = self.blocks.tracker
+        self.rise = tracker.peak_bytes - self.live, tracker.peak_allocated_bytes - self.allocated
+        tracker.peak_bytes = max(self.peaks[0], tracker.peak_bytes)
+        tracker.peak_allocated_bytes = max(self.peaks[1], tracker.peak_allocated_bytes)
+        self.blocks.backwards[self.key] = self if self._exact(grads) else None
+
+    def _exact(self, grads) -> bool:
+        """What the block left: its input gradients (storages of their own, or a gradient it was given
+        handed on) and new LoRA gradients; what it freed: gradients it was given and inputs only the
+        checkpoint frame held. A replay frees those two the same way (autograd drops the gradients
+        it passed to the replay, and the replay's saved inputs, as soon as it returns)."""
+        tracker = self.blocks.tracker
+        live = tracker.live
+        self.grads = _Layouts.of(grads)
+        if self.incoming is None or self.grads is None or any(g is None for g in grads):
+            return False
+        made = tracker.made_since(self.births)  # by birth: a new storage may have a freed one's address
+        freed = {key for key in self.before if key not in live or key in made}
+        grad_keys = set(self.grads.keys)
+        handed_on = (grad_keys - made) & self.incoming_keys
+        new_params, self.new_grads = set(), []
+        for param, before in zip(self.trained, self.grads_before):
+            after = None if param.grad is None else param.grad.untyped_storage()._cdata
+            if before is not None and (after != before or after in made):
+                return False  # a gradient replaced rather than added to in place
+            made_here = before is None and after is not None  # (a layer the block does not use gets none)
+            if made_here and (after not in made or not _owns_storage(param.grad)):
+                return False
+            self.new_grads.append(_layout_of(param.grad) if made_here else None)
+            if made_here:
+                new_params.add(after)
+        self.grad_indices = [index for index, _ in self.inputs]
+        return ({key for key in made if live[key]} == (grad_keys - handed_on) | new_params
+                and {key for key in freed if self.before[key]} <= self.incoming_keys | self.input_keys
+                and self.incoming_keys - handed_on <= freed)
+
+
+class _BackwardStart(torch.autograd.Function):
+    """Identity on a measured block's outputs: its backward runs just before the block's first node."""
+
+    @staticmethod
+    def forward(ctx, trace, *outputs):
+        ctx.trace = trace
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None, as without it
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.trace.started(grads)
+        return (None, *grads)
+
+
+class _BackwardEnd(torch.autograd.Function):
+    """Identity on a measured block's inputs: its backward runs just after the block's last node."""
+
+    @staticmethod
+    def forward(ctx, trace, *inputs):
+        ctx.trace = trace
+        ctx.set_materialize_grads(False)
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.trace.ended(grads)
+        return (None, *grads)
+
+
+class _Replayed(torch.autograd.Function):
+    """A checkpointed block replayed: the allocations of its forward and of its backward, no ops.
+
+    Forward: the measured peak over what is live now, then outputs of the measured layouts; the
+    inputs are saved, as the checkpoint frame saves them (`_NoopSaveInputs`), until the backward.
+    Backward: the measured peak over what is live now, then gradients of the measured layouts for
+    the inputs and for the LoRA parameters the measured block gave one. Those are made after the
+    peak is raised, without raising it further: in the block they were made while it ran, inside
+    the measured peak, and the gradients it was given and the inputs it saved, still alive here,
+    are dropped by autograd the moment this returns, before anything else is allocated.
+    """
+
+    @staticmethod
+    def forward(ctx, blocks, key, input_count, trained, *tensors):
+        rise, allocator_rise, _, layouts = blocks.forwards[key]
+        tracker = blocks.tracker
+        tracker.peak_bytes = max(tracker.peak_bytes, tracker.live_bytes + rise)
+        tracker.peak_allocated_bytes = max(tracker.peak_allocated_bytes, tracker.allocated_bytes + allocator_rise)
+        ctx.blocks, ctx.key, ctx.input_count, ctx.trained = blocks, key, input_count, trained
+        ctx.save_for_backward(*tensors[:input_count])
+        ctx.set_materialize_grads(False)
+        return tuple(layouts.make())
+
+    @staticmethod
+    def backward(ctx, *grads):
+        trace = ctx.blocks.backwards.get(ctx.key)
+        if trace is None or _Layouts.of(grads) != trace.incoming:
+            raise RuntimeError("fitfinder: a replayed checkpointed block has no exact measurement of its "
+                               "backward (set FITFINDER_REPLAY_CHECKPOINTED=0 and report it)")
+        tracker = ctx.blocks.tracker
+        tracker.peak_bytes = max(tracker.peak_bytes, tracker.live_bytes + trace.rise[0])
+        tracker.peak_allocated_bytes = max(tracker.peak_allocated_bytes, tracker.allocated_bytes + trace.rise[1])
+        peaks = tracker.peak_bytes, tracker.peak_allocated_bytes
+        made = dict(zip(trace.grad_indices, trace.grads.make()))
+        input_grads = [made.get(index) for index in range(ctx.input_count)]
+        for param, layout in zip(ctx.trained, trace.new_grads):
+            if layout is not None:
+                param.grad = _empty_like_layout(layout)
+        tracker.peak_bytes, tracker.peak_allocated_bytes = peaks
+        return (None, None, None, None, *input_grads, *(None for _ in ctx.trained))
+
+
+@dataclass(frozen=True)
+class _Layouts:
+    """Tensors as storages and views of them: what `make()` builds again, fresh, without their values.
+
+    `views`: per tensor (None for a missing gradient), its storage's index, shape, stride, offset,
+    dtype and device; `sizes`: each storage's bytes. Comparable, so a replay can check that it
+    receives what the measured block received. `keys` (the measured storages) do not compare.
+    """
+
+    views: tuple
+    sizes: tuple
+    keys: tuple = field(compare=False, default=())
+
+    @classmethod
+    def of(cls, tensors) -> "_Layouts | None":
+        """None when some tensor is not plain, or does not fit its storage's size in its own dtype."""
+        keys: list[int] = []
+        views, sizes = [], []
+        for tensor in tensors:
+            if tensor is None:
+                views.append(None)
+                continue
+            if is_traceable_wrapper_subclass(tensor):
+                return None
+            storage = tensor.untyped_storage()
+            if storage._cdata not in keys:
+                if storage.nbytes() % tensor.element_size():
+                    return None
+                keys.append(storage._cdata)
+                sizes.append(storage.nbytes())
+            views.append((keys.index(storage._cdata), tuple(tensor.shape), tensor.stride(), tensor.storage_offset(),
+                          tensor.dtype, tensor.device))
+        for index, size in enumerate(sizes):  # one dtype per storage: it is made as one tensor of it
+            if len({view[4] for view in views if view is not None and view[0] == index}) != 1:
+                return None
+        return cls(tuple(views), tuple(sizes), tuple(keys))
+
+    def make(self) -> list:
+        storages: dict[int, torch.Tensor] = {}
+        made = []
+        for view in self.views:
+            if view is None:
+                made.append(None)
+                continue
+            index, shape, stride, offset, dtype, device = view
+            if index not in storages:
+                storages[index] = torch.empty(self.sizes[index] // dtype.itemsize, dtype=dtype, device=device)
+            made.append(storages[index].as_strided(shape, stride, offset))
+        return made
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or getattr(module, "_backward_pre_hooks", None))
+
+
+def _layout_of(tensor: torch.Tensor) -> tuple:
+    return (tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device)
+
+
+def _empty_like_layout(layout: tuple) -> torch.Tensor:
+    shape, stride, dtype, device = layout
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+
+
+def _owns_storage(tensor: torch.Tensor) -> bool:
+    """A plain tensor whose storage is its own, just large enough: what `_empty_like_layout` makes."""
+    return (not is_traceable_wrapper_subclass(tensor) and tensor.storage_offset() == 0
+            and tensor.untyped_storage().nbytes() == _strided_nbytes(tensor))
 
 
 class RepeatedUpdates:

@@ -82,6 +82,8 @@ def run(request: ProbeRequest) -> ProbeResult:
     result["peak_bytes"] = meter.peak_bytes
     result["budget_bytes"] = request.get("budget_bytes")
     result["outside_bytes"] = getattr(meter, "outside_bytes", None)
+    if hasattr(meter, "replayed"):  # the estimate's: blocks and updates replayed instead of run
+        result["replayed"] = meter.replayed()
     result["meter"] = meter.describe()
     result.update(_host_usage())
     return result
