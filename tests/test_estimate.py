@@ -130,7 +130,8 @@ def test_an_estimate_needs_no_weights_only_the_architecture():
 def _stack(kind: str, count: int = 4):
     """A stack of identical blocks: an MLP whose output is new ("plain"), one that hands an input
     on as T5 hands on its position bias ("pass"), one that fills in a list argument as Wan's VAE
-    fills its causal cache ("list")."""
+    fills its causal cache ("list"), one that joins a text stream to its input and returns the two
+    as slices of one storage, as FLUX's single block does ("split")."""
     import torch
 
     class Mlp(torch.nn.Module):
@@ -139,6 +140,10 @@ def _stack(kind: str, count: int = 4):
             self.up, self.down = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
 
         def forward(self, x, bias=None, cache=None):
+            if kind == "split":  # bias is the text stream here
+                joined = torch.cat([bias, x])
+                out = joined + self.down(torch.nn.functional.gelu(self.up(joined)))
+                return out[:len(bias)], out[len(bias):]
             out = x + self.down(torch.nn.functional.gelu(self.up(x)))
             if cache is not None:
                 cache.append(out * 2)
@@ -157,20 +162,29 @@ def _run_stack(kind: str, replay: bool):
         replaying = estimating.replay_repeated_blocks(blocks) if replay else None
         with estimating.phase("sample"), torch.no_grad():
             x, bias, cache = torch.empty(8, 64), torch.empty(8, 8), [] if kind == "list" else None
+            if kind == "split":
+                bias = torch.empty(3, 64)
             for block in blocks:
                 out = block(x, bias, cache) if kind != "plain" else block(x)
-                x = out[0] if kind == "pass" else out
+                if kind == "split":
+                    bias, x = out
+                    assert bias.untyped_storage()._cdata == x.untyped_storage()._cdata  # replayed as made
+                x = out[0] if kind == "pass" else x if kind == "split" else out
             shape = tuple(x.shape)
         with estimating.phase("train"):  # gradients on: every block runs
             y = torch.empty(8, 64, requires_grad=True)
+            text = torch.empty(3, 64, requires_grad=True)
             for block in blocks:
-                y = block(y)[0] if kind == "pass" else block(y)
+                if kind == "split":
+                    text, y = block(y, text)
+                else:
+                    y = block(y)[0] if kind == "pass" else block(y)
             y.sum().backward()
     stats = {name: {k: v for k, v in entry.items() if k != "seconds"} for name, entry in estimating.phases.items()}
     return stats, shape, (replaying.replayed if replaying else 0), cache
 
 
-@pytest.mark.parametrize("kind", ["plain", "pass"])
+@pytest.mark.parametrize("kind", ["plain", "pass", "split"])
 def test_identical_blocks_are_replayed_with_the_same_peaks(kind):
     replayed_stats, shape, replayed, _ = _run_stack(kind, replay=True)
     run_stats, run_shape, _, _ = _run_stack(kind, replay=False)

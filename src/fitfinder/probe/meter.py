@@ -488,7 +488,8 @@ class RepeatedBlocks:
     its outputs. The next identical block makes that peak again over what is live then, and
     returns new fake outputs of the same shapes -- the tracker's counts are what running it would
     give, without its ops. A block is only replayed when that is exact: its outputs are fresh
-    storages of their own and it left nothing else alive. With gradients on (training, where the
+    storages of its own making (or views of them, made again as such views: `_Layouts`), or
+    inputs handed on, and it left nothing else alive. With gradients on (training, where the
     graph must exist), while tensors are made in host memory, or with module hooks, blocks run.
     """
 
@@ -549,21 +550,24 @@ class RepeatedBlocks:
             return _Made(tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device)
 
         structure = tree_map_only(torch.Tensor, describe, out)
-        keys = [t.untyped_storage()._cdata for t in made]
-        own = (len(set(keys)) == len(keys) and not before.intersection(keys)
-               and tracker.live_bytes - live == sum(t.untyped_storage().nbytes() for t in made)
-               and all(t.untyped_storage().nbytes() == _strided_nbytes(t) and t.storage_offset() == 0
-                       for t in made))
-        return out, ((rise, allocator_rise, structure) if own else None)
+        # The outputs it made, as storages and views of them: FLUX's single block returns its text
+        # and image streams as two slices of one storage (diffusers' FluxSingleTransformerBlock),
+        # which a replay makes again the same way, so its 38 blocks replay in a preview too.
+        layouts = _Layouts.of(made)
+        own = (layouts is not None and not before.intersection(layouts.keys)
+               and tracker.live_bytes - live == sum(layouts.sizes))
+        return out, ((rise, allocator_rise, structure, layouts) if own else None)
 
     def _replay(self, trace, args, kwargs):
-        rise, allocator_rise, structure = trace
+        rise, allocator_rise, structure, layouts = trace
         self.replayed += 1
         tracker = self.tracker
         tracker.peak_bytes = max(tracker.peak_bytes, tracker.live_bytes + rise)
         tracker.peak_allocated_bytes = max(tracker.peak_allocated_bytes, tracker.allocated_bytes + allocator_rise)
         inputs = list(tensors_returned((args, kwargs)))
-        return tree_map_only((_Made, _Given), lambda d: d.make(inputs), structure)
+        made = iter(layouts.make())
+        return tree_map_only((_Made, _Given), lambda d: next(made) if isinstance(d, _Made) else d.make(inputs),
+                             structure)
 
 
 class CheckpointedBlocks:
