@@ -167,7 +167,7 @@ def print_plan(counts: list[int], bound: list[int], speculations=SPECULATIONS, c
                       f"{alone['time'] / row['time']:>9.2f}x{row['probes']:>8}"
                       f"{row['probes'] / alone['probes']:>9.2f}x  {verdict}"
                       + ("  (the bound: many workers)" if row.get("bound") else ""))
-    for clock in clocks:
+    for clock in clocks if "kary" in speculations else ():  # the per-budget table is the search's own plan
         print(f"\ntime per budget (MiB), kary speculation, {clock} clock; the first row is one worker")
         print(f"{'workers':>8}  " + " ".join(f"{b:>4}" for b in BUDGETS))
         for row in plans[f"{clock}/kary"]:
