@@ -589,7 +589,7 @@ class CheckpointedBlocks:
     each kind runs and its forward is measured (its peak over the live bytes at its start, and its
     outputs; FLUX's first double block takes inputs that need no gradient, so its second is);
     the one before the last runs, and its backward is measured, from the first of its nodes to
-    the last (`_BackwardStart`, `_BackwardEnd`: identity functions around it): its peak over the
+    the last (`_BackwardMark`: identities around it): its peak over the
     live bytes at the start, the gradients of its inputs, and which LoRA parameters it gave a new
     `.grad`. The last block always runs: its outputs feed other layers (or none: FLUX's last
     single block's text stream), so its backward starts differently. Every block in between, of
@@ -727,10 +727,10 @@ class CheckpointedBlocks:
         trace.input_count = len(inputs)
         trace.input_keys = {tensor.untyped_storage()._cdata for tensor in inputs}
         ended = dict(zip((id(inputs[index]) for index in needing),
-                         _BackwardEnd.apply(trace, *(inputs[index] for index in needing))))
+                         _BackwardMark.apply(trace.ended, *(inputs[index] for index in needing))))
         out = checkpoint(block, *tree_map_only(torch.Tensor, lambda t: ended.get(id(t), t), args))
         outputs = [t for t in tensors_returned(out) if t.requires_grad]
-        started = dict(zip((id(t) for t in outputs), _BackwardStart.apply(trace, *outputs)))
+        started = dict(zip((id(t) for t in outputs), _BackwardMark.apply(trace.started, *outputs)))
         return tree_map_only(torch.Tensor, lambda t: started.get(id(t), t), out)
 
 
@@ -795,33 +795,20 @@ class _BackwardTrace:
                 and self.incoming_keys - handed_on <= freed)
 
 
-class _BackwardStart(torch.autograd.Function):
-    """Identity on a measured block's outputs: its backward runs just before the block's first node."""
+class _BackwardMark(torch.autograd.Function):
+    """Identity on tensors whose backward calls `reached(grads)` as it passes: around a measured
+    block's outputs, just before its first node (`_BackwardTrace.started`); around its inputs, just
+    after its last (`_BackwardTrace.ended`)."""
 
     @staticmethod
-    def forward(ctx, trace, *outputs):
-        ctx.trace = trace
+    def forward(ctx, reached, *tensors):
+        ctx.reached = reached
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None, as without it
-        return outputs
+        return tensors
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.trace.started(grads)
-        return (None, *grads)
-
-
-class _BackwardEnd(torch.autograd.Function):
-    """Identity on a measured block's inputs: its backward runs just after the block's last node."""
-
-    @staticmethod
-    def forward(ctx, trace, *inputs):
-        ctx.trace = trace
-        ctx.set_materialize_grads(False)
-        return inputs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.trace.ended(grads)
+        ctx.reached(grads)
         return (None, *grads)
 
 
