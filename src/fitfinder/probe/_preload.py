@@ -18,6 +18,10 @@ try:
                               UMT5EncoderModel)
     import bitsandbytes  # noqa: F401
     import optimum.quanto  # noqa: F401  (the probes quantize with it; ~2 s to import)
+    # Imported by quanto's first 8-bit quantize (WeightQBytesTensor.create), which makes two
+    # module-level index tensors (marlin's int4 permutations) as it imports: imported inside a
+    # meter they would count as device memory of the first probe or estimate in this process.
+    import optimum.quanto.tensor.weights.marlin  # noqa: F401
     import peft  # noqa: F401
     import peft.tuners.lora  # noqa: F401
 
