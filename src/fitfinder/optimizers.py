@@ -241,8 +241,8 @@ class Ema:
     def __init__(self, params: list, decay: float):
         self.params = list(params)
         self.decay = decay
-        with torch.no_grad():
-            self.shadow = [param.detach().clone() for param in self.params]
+        with torch.no_grad():  # a clone under no_grad has no history: no detach needed (one op, not two)
+            self.shadow = [param.clone() for param in self.params]
         self.stored: list[torch.Tensor] | None = None
 
     @torch.no_grad()

@@ -243,6 +243,8 @@ def _like(layout: tuple, linear: torch.nn.Linear) -> torch.nn.Module:
     quantizing `linear` makes, without computing it (the estimate's repeats)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
+    from fitfinder.models import _fake  # imports this module
+
     described, templates = layout
     device = linear.weight.device
     fresh = {name: _empty_like(template, device) for name, template in templates.items()}
@@ -256,7 +258,7 @@ def _like(layout: tuple, linear: torch.nn.Linear) -> torch.nn.Module:
         layer = cls.qcreate(linear, qtype, device="meta")
     layer.input_scale, layer.output_scale = fresh.pop("input_scale"), fresh.pop("output_scale")
     weight = weight_cls.__tensor_unflatten__(fresh, context, size, stride)
-    layer.weight, layer.bias = torch.nn.Parameter(weight, requires_grad=False), linear.bias
+    layer.weight, layer.bias = _fake.parameter(weight, requires_grad=False), linear.bias
     return layer
 
 
