@@ -18,6 +18,13 @@ PROBE_FACTS = ("status", "phase", "peak_bytes", "limit_bytes", "phases", "phase_
                "seconds_per_sample", "wall_seconds", "verdict", "error", "oom_kind", "meter", "point")
 
 
+def _as_in_a_terminal() -> None:
+    """Ctrl-C as a terminal delivers it. A shell starts a background job with SIGINT ignored, and
+    children inherit that (Python then installs no KeyboardInterrupt handler): a test run started
+    with `&` saw the dashboard ignore the test's Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _get(url: str) -> tuple[int, str]:
     with urllib.request.urlopen(url, timeout=30) as response:
         return response.status, response.read().decode("utf-8")
@@ -42,7 +49,7 @@ def test_dashboard_serves_the_study_with_its_probe_facts_then_stops(demo_run):
     folder, summary = demo_run
     command = [sys.executable, "-m", "fitfinder", "dashboard", f"studies/{NAME}.db", "--port", "0"]
     process = subprocess.Popen(command, cwd=folder, env=cli_env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True, preexec_fn=_as_in_a_terminal)
     try:
         line = _first_line(process)
         assert line.startswith(f"fitfinder: dashboard of studies/{NAME}.db at http://127.0.0.1:"), line
