@@ -180,6 +180,35 @@ class AllocatorTracker(StorageTracker):
         """The live storages born after the `births`-th."""
         return {key for key, born in self.born.items() if born > births}
 
+    def window(self) -> PeakWindow:
+        """Start measuring how far a stretch of work raises the peaks (`PeakWindow.close`)."""
+        return PeakWindow(self)
+
+    def reach(self, rise: tuple[int, int]) -> None:
+        """A replay of measured work: the peaks it rose to (`PeakWindow.close`) over what is live now."""
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes + rise[0])
+        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes + rise[1])
+
+
+class PeakWindow:
+    """How far a stretch of work raises the tracker's peaks over the live bytes at its start, in both
+    counts, measured without losing the peaks reached before it: open, do the work, `close()`.
+    Every replay (repeated work, blocks, updates) measures its first run this way."""
+
+    def __init__(self, tracker: AllocatorTracker):
+        self.tracker = tracker
+        self.live, self.allocated = tracker.live_bytes, tracker.allocated_bytes
+        self.peaks = tracker.peak_bytes, tracker.peak_allocated_bytes
+        tracker.peak_bytes, tracker.peak_allocated_bytes = self.live, self.allocated
+
+    def close(self) -> tuple[int, int]:
+        """(bytes, allocator bytes) the peaks rose over the live counts at the start."""
+        tracker = self.tracker
+        rise = tracker.peak_bytes - self.live, tracker.peak_allocated_bytes - self.allocated
+        tracker.peak_bytes = max(self.peaks[0], tracker.peak_bytes)
+        tracker.peak_allocated_bytes = max(self.peaks[1], tracker.peak_allocated_bytes)
+        return rise
+
 
 def _counting_fake_mode(tracker: AllocatorTracker):
     """A FakeTensorMode that hands the outputs of every op to `tracker` (unless paused).
@@ -432,18 +461,13 @@ class EstimateMeter(SimMeter):
         it would give, at a fraction of the time."""
         tracker = self.tracker
         key = (key, tracker.paused > 0)
-        rises = self._repeated.get(key)
-        if rises is not None:
-            tracker.peak_bytes = max(tracker.peak_bytes, tracker.live_bytes + rises[0])
-            tracker.peak_allocated_bytes = max(tracker.peak_allocated_bytes, tracker.allocated_bytes + rises[1])
+        rise = self._repeated.get(key)
+        if rise is not None:
+            tracker.reach(rise)
             return remake()
-        live, allocated = tracker.live_bytes, tracker.allocated_bytes
-        peaks = tracker.peak_bytes, tracker.peak_allocated_bytes
-        tracker.peak_bytes, tracker.peak_allocated_bytes = live, allocated
+        window = tracker.window()
         out = make()
-        self._repeated[key] = (tracker.peak_bytes - live, tracker.peak_allocated_bytes - allocated)
-        tracker.peak_bytes = max(peaks[0], tracker.peak_bytes)
-        tracker.peak_allocated_bytes = max(peaks[1], tracker.peak_allocated_bytes)
+        self._repeated[key] = window.close()
         return out
 
     def replay_repeated_blocks(self, *parts: torch.nn.Module) -> RepeatedBlocks:
@@ -495,7 +519,7 @@ class RepeatedBlocks:
 
     def __init__(self, tracker: AllocatorTracker):
         self.tracker = tracker
-        self.traces: dict[tuple, Any] = {}  # key -> (peak over start, allocator peak over start, outputs) or None
+        self.traces: dict[tuple, Any] = {}  # key -> (peak rises, output structure, output layouts) or None
         self.replayed = 0
 
     def install(self, *parts: torch.nn.Module) -> None:
@@ -532,13 +556,9 @@ class RepeatedBlocks:
     def _record(self, forward, args, kwargs):
         tracker = self.tracker
         before = set(tracker.live)
-        live, allocated = tracker.live_bytes, tracker.allocated_bytes
-        peaks = tracker.peak_bytes, tracker.peak_allocated_bytes
-        tracker.peak_bytes, tracker.peak_allocated_bytes = live, allocated
+        window = tracker.window()
         out = forward(*args, **kwargs)
-        rise, allocator_rise = tracker.peak_bytes - live, tracker.peak_allocated_bytes - allocated
-        tracker.peak_bytes = max(peaks[0], tracker.peak_bytes)
-        tracker.peak_allocated_bytes = max(peaks[1], tracker.peak_allocated_bytes)
+        rise = window.close()
         inputs = list(tensors_returned((args, kwargs)))
         made: list[torch.Tensor] = []
 
@@ -555,15 +575,13 @@ class RepeatedBlocks:
         # which a replay makes again the same way, so its 38 blocks replay in a preview too.
         layouts = _Layouts.of(made)
         own = (layouts is not None and not before.intersection(layouts.keys)
-               and tracker.live_bytes - live == sum(layouts.sizes))
-        return out, ((rise, allocator_rise, structure, layouts) if own else None)
+               and tracker.live_bytes - window.live == sum(layouts.sizes))
+        return out, ((rise, structure, layouts) if own else None)
 
     def _replay(self, trace, args, kwargs):
-        rise, allocator_rise, structure, layouts = trace
+        rise, structure, layouts = trace
         self.replayed += 1
-        tracker = self.tracker
-        tracker.peak_bytes = max(tracker.peak_bytes, tracker.live_bytes + rise)
-        tracker.peak_allocated_bytes = max(tracker.peak_allocated_bytes, tracker.allocated_bytes + allocator_rise)
+        self.tracker.reach(rise)
         inputs = list(tensors_returned((args, kwargs)))
         made = iter(layouts.make())
         return tree_map_only((_Made, _Given), lambda d: next(made) if isinstance(d, _Made) else d.make(inputs),
@@ -614,7 +632,7 @@ class CheckpointedBlocks:
 
     def __init__(self, tracker: AllocatorTracker):
         self.tracker = tracker
-        self.forwards: dict[tuple, Any] = {}  # key -> (peak rise, allocator peak rise, output layouts) or None
+        self.forwards: dict[tuple, Any] = {}  # key -> (peak rises, output structure, output layouts) or None
         self.backwards: dict[tuple, Any] = {}  # key -> _BackwardTrace or None
         self.places: dict[int, tuple[int, int, int]] = {}  # id(block) -> (id of its list, index, length)
         self.last_outputs: dict[int, tuple[int, list]] = {}  # id(list) -> (index, weak refs to its outputs)
@@ -689,28 +707,24 @@ class CheckpointedBlocks:
         """Run the checkpointed block and record its forward, if a replay of it can be exact."""
         tracker = self.tracker
         births = tracker.births
-        live, allocated = tracker.live_bytes, tracker.allocated_bytes
-        peaks = tracker.peak_bytes, tracker.peak_allocated_bytes
-        tracker.peak_bytes, tracker.peak_allocated_bytes = live, allocated
+        window = tracker.window()
         out = checkpoint(block, *args)
-        rise, allocator_rise = tracker.peak_bytes - live, tracker.peak_allocated_bytes - allocated
-        tracker.peak_bytes = max(peaks[0], tracker.peak_bytes)
-        tracker.peak_allocated_bytes = max(peaks[1], tracker.peak_allocated_bytes)
+        rise = window.close()
         made = list(tensors_returned(out))
         layouts = _Layouts.of(made)
         # Exact only when the forward left nothing alive but its outputs, on storages of their own
         # (FLUX's single block returns two slices of one), each needing a gradient; the checkpoint
         # frame holds the inputs, alive before it too.
         own = (layouts is not None and tracker.made_since(births).issuperset(layouts.keys)
-               and tracker.live_bytes - live == sum(layouts.sizes)
+               and tracker.live_bytes - window.live == sum(layouts.sizes)
                and all(t.requires_grad and t.dtype.is_floating_point for t in made))
         structure = tree_map_only(torch.Tensor, lambda t: _Made(tuple(t.shape), t.stride(), t.dtype, t.device), out)
-        self.forwards[key] = (rise, allocator_rise, structure, layouts) if own else None
+        self.forwards[key] = (rise, structure, layouts) if own else None
         return out
 
     def _replay_forward(self, block, args, key):
         """The block's forward without its ops: see `_Replayed`."""
-        structure = self.forwards[key][2]
+        structure = self.forwards[key][1]
         inputs = list(tensors_returned(args))
         trained = [param for param in block.parameters() if param.requires_grad]
         made = iter(_Replayed.apply(self, key, len(inputs), trained, *inputs, *trained))
@@ -752,16 +766,11 @@ class _BackwardTrace:
         self.incoming_keys = {g.untyped_storage()._cdata for g in grads if g is not None}
         self.before = dict(tracker.live)
         self.births = tracker.births
-        self.live, self.allocated = tracker.live_bytes, tracker.allocated_bytes
-        self.peaks = tracker.peak_bytes, tracker.peak_allocated_bytes
         self.grads_before = [None if p.grad is None else p.grad.untyped_storage()._cdata for p in self.trained]
-        tracker.peak_bytes, tracker.peak_allocated_bytes = self.live, self.allocated
+        self.window = tracker.window()
 
     def ended(self, grads) -> None:
-        tracker = self.blocks.tracker
-        self.rise = tracker.peak_bytes - self.live, tracker.peak_allocated_bytes - self.allocated
-        tracker.peak_bytes = max(self.peaks[0], tracker.peak_bytes)
-        tracker.peak_allocated_bytes = max(self.peaks[1], tracker.peak_allocated_bytes)
+        self.rise = self.window.close()
         self.blocks.backwards[self.key] = self if self._exact(grads) else None
 
     def _exact(self, grads) -> bool:
@@ -826,10 +835,8 @@ class _Replayed(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, blocks, key, input_count, trained, *tensors):
-        rise, allocator_rise, _, layouts = blocks.forwards[key]
-        tracker = blocks.tracker
-        tracker.peak_bytes = max(tracker.peak_bytes, tracker.live_bytes + rise)
-        tracker.peak_allocated_bytes = max(tracker.peak_allocated_bytes, tracker.allocated_bytes + allocator_rise)
+        rise, _, layouts = blocks.forwards[key]
+        blocks.tracker.reach(rise)
         ctx.blocks, ctx.key, ctx.input_count, ctx.trained = blocks, key, input_count, trained
         ctx.save_for_backward(*tensors[:input_count])
         ctx.set_materialize_grads(False)
@@ -842,8 +849,7 @@ class _Replayed(torch.autograd.Function):
             raise RuntimeError("fitfinder: a replayed checkpointed block has no exact measurement of its "
                                "backward (set FITFINDER_REPLAY_CHECKPOINTED=0 and report it)")
         tracker = ctx.blocks.tracker
-        tracker.peak_bytes = max(tracker.peak_bytes, tracker.live_bytes + trace.rise[0])
-        tracker.peak_allocated_bytes = max(tracker.peak_allocated_bytes, tracker.allocated_bytes + trace.rise[1])
+        tracker.reach(trace.rise)
         peaks = tracker.peak_bytes, tracker.peak_allocated_bytes
         made = dict(zip(trace.grad_indices, trace.grads.make()))
         input_grads = [made.get(index) for index in range(ctx.input_count)]
@@ -946,7 +952,7 @@ class RepeatedUpdates:
 
     def __init__(self, tracker: AllocatorTracker):
         self.tracker = tracker
-        self.traces: dict[tuple, tuple[int, int] | None] = {}  # key -> (peak rise, allocator peak rise) or None
+        self.traces: dict[tuple, Any] = {}  # key -> peak rises (an update), (peak rises, layout) (a copy), or None
         self.replayed = 0
 
     def install(self, optimizer=None, ema=None) -> None:
@@ -1004,20 +1010,15 @@ class RepeatedUpdates:
                 update()
                 return
             self.replayed += 1
-            tracker.peak_bytes = max(tracker.peak_bytes, tracker.live_bytes + trace[0])
-            tracker.peak_allocated_bytes = max(tracker.peak_allocated_bytes, tracker.allocated_bytes + trace[1])
+            tracker.reach(trace)
             skipped()
             return
         before = dict(tracker.live)
-        live, allocated = tracker.live_bytes, tracker.allocated_bytes
-        peaks = tracker.peak_bytes, tracker.peak_allocated_bytes
-        tracker.peak_bytes, tracker.peak_allocated_bytes = live, allocated
+        window = tracker.window()
         update()
-        rises = tracker.peak_bytes - live, tracker.peak_allocated_bytes - allocated
-        tracker.peak_bytes = max(peaks[0], tracker.peak_bytes)
-        tracker.peak_allocated_bytes = max(peaks[1], tracker.peak_allocated_bytes)
-        in_place = tracker.live == before and tracker.allocated_bytes == allocated
-        self.traces[key] = rises if in_place else None
+        rise = window.close()
+        in_place = tracker.live == before and tracker.allocated_bytes == window.allocated
+        self.traces[key] = rise if in_place else None
 
     def made(self, key: tuple, make) -> torch.Tensor:
         """`make()`, which returns one new tensor (a copy); a repeat of `key` makes a fresh fake tensor
@@ -1030,23 +1031,16 @@ class RepeatedUpdates:
             return make()
         if trace:
             self.replayed += 1
-            rise, allocator_rise, (shape, stride, dtype, device) = trace
-            tracker.peak_bytes = max(tracker.peak_bytes, tracker.live_bytes + rise)
-            tracker.peak_allocated_bytes = max(tracker.peak_allocated_bytes, tracker.allocated_bytes + allocator_rise)
-            return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+            rise, layout = trace
+            tracker.reach(rise)
+            return _empty_like_layout(layout)
         before = dict(tracker.live)
-        live, allocated = tracker.live_bytes, tracker.allocated_bytes
-        peaks = tracker.peak_bytes, tracker.peak_allocated_bytes
-        tracker.peak_bytes, tracker.peak_allocated_bytes = live, allocated
+        window = tracker.window()
         out = make()
-        rises = tracker.peak_bytes - live, tracker.peak_allocated_bytes - allocated
-        tracker.peak_bytes = max(peaks[0], tracker.peak_bytes)
-        tracker.peak_allocated_bytes = max(peaks[1], tracker.peak_allocated_bytes)
-        storage = out.untyped_storage()
-        own = (not is_traceable_wrapper_subclass(out) and storage._cdata not in before and out.storage_offset() == 0
-               and storage.nbytes() == _strided_nbytes(out)
-               and tracker.live == {**before, storage._cdata: storage.nbytes()})
-        self.traces[key] = (*rises, (tuple(out.shape), out.stride(), out.dtype, out.device)) if own else None
+        rise = window.close()
+        own = (_owns_storage(out) and out.untyped_storage()._cdata not in before
+               and tracker.live == {**before, out.untyped_storage()._cdata: out.untyped_storage().nbytes()})
+        self.traces[key] = (rise, _layout_of(out)) if own else None
         return out
 
 
