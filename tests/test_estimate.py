@@ -199,18 +199,27 @@ def test_a_block_that_fills_in_a_list_argument_always_runs():
     assert stats == _run_stack("list", replay=False)[0]
 
 
+def _in_a_fresh_interpreter(script: str, *args: str, **env: str):
+    """What `script` prints last, as JSON, run by a Python of its own (this one's imports and
+    caches left behind; src, the checkout and benchmarks/ importable), with `env` added."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(str(ROOT / path) for path in ("src", ".", "benchmarks"))}
+    done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+                          timeout=600, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 _DEEP_ESTIMATE = """
 import json, sys
-from fitfinder import probe
 from fitfinder.probe import estimate
 from fitfinder.probe.overhead import GpuOverhead
-from tests.conftest import tiny_job
+from checkpointed_replay import widened  # benchmarks/
 
-family, changes = sys.argv[1], json.loads(sys.argv[2])
-request = probe.request_for(tiny_job(family, changes), 8, "sim", None)
-for name, part in request["model"]["arch"]["parts"].items():
-    if name.startswith("transformer"):  # six blocks a stack: the first, three replayed, the last two
-        part.update({key: 6 for key in ("num_layers", "num_single_layers") if key in part})
+# six blocks a stack: the first, three replayed, the last two
+request = widened(sys.argv[1], json.loads(sys.argv[2]), 6)
 result = estimate.InProcess(600).run(estimate.as_estimate(request, GpuOverhead.none()))
 print(json.dumps({key: result.get(key) for key in ("status", "error", "phase_stats", "replayed")}))
 """
@@ -220,14 +229,9 @@ def _deep_tiny_estimate(family: str, changes: dict, replay: bool) -> dict:
     """The tiny job with six blocks in each stack, estimated in a fresh process (the replay's
     switch is read from the environment)."""
     import json
-    import subprocess
-    import sys
 
-    env = {**os.environ, "FITFINDER_REPLAY_CHECKPOINTED": "1" if replay else "0",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
-    done = subprocess.run([sys.executable, "-c", _DEEP_ESTIMATE, family, json.dumps(changes)], env=env,
-                          capture_output=True, text=True, timeout=600, check=True)
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = _in_a_fresh_interpreter(_DEEP_ESTIMATE, family, json.dumps(changes),
+                                     FITFINDER_REPLAY_CHECKPOINTED="1" if replay else "0")
     assert result["status"] == "ok", result["error"]
     result["phase_stats"] = {phase: {key: value for key, value in stats.items() if key != "seconds"}
                              for phase, stats in result["phase_stats"].items()}
@@ -251,14 +255,7 @@ def test_the_first_estimate_in_a_process_counts_what_the_next_one_counts():
     """quanto's first 8-bit quantize imports a module that makes two index tensors (host constants,
     16 KiB): made inside the meter they counted as device memory of the process's first estimate
     only, so --search and tiers, which estimate many times in one process, disagreed with it."""
-    import json
-    import subprocess
-    import sys
-
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
-    done = subprocess.run([sys.executable, "-c", _TWO_ESTIMATES], env=env, capture_output=True, text=True,
-                          timeout=600, check=True)
-    first, second = json.loads(done.stdout.strip().splitlines()[-1])
+    first, second = _in_a_fresh_interpreter(_TWO_ESTIMATES)
     assert set(first) == set(ALL_PHASES) and first == second
 
 
