@@ -118,10 +118,11 @@ _INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_",
 
 @contextlib.contextmanager
 def _no_init():
-    """torch.nn.init's fills as no-ops (as transformers' `no_init_weights` makes them): a meta
-    tensor has no values to fill, and the fills cost a FLUX.1 estimate about 0.7 s of its load
-    (peft's gaussian LoRA init, every Linear's kaiming init). Code that imported a fill by name
-    still calls the real one, which changes nothing either."""
+    """torch.nn.init's fills as no-ops: a meta tensor has no values to fill, and the fills cost a
+    FLUX.1 estimate about 0.7 s of its load (peft's gaussian LoRA init, every Linear's kaiming
+    init). Code that imported a fill by name still calls the real one, which changes nothing either.
+    Not transformers' `no_init_weights`, which does the same: its fills return None where torch's
+    return the tensor, and it lives in another module in transformers 4 (which pyproject allows)."""
     saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
     try:
         for name in saved:
