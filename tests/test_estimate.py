@@ -68,6 +68,39 @@ def test_the_meter_counts_real_tensors_made_where_values_are_needed():
     assert estimating.phases["train"]["peak_live"] == 2 * 256 * 4
 
 
+def test_the_estimate_answers_each_op_with_the_layout_fake_tensor_mode_gives():
+    """The counting mode keys its cache of op answers on each fake input's layout in one tuple, not
+    FakeTensorMode's metadata record: inputs that differ in one field of the layout (offset,
+    storage size, strides, dtype, gradients, conjugation, memory format) must not share an answer."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def answers(mode) -> list:
+        with mode:
+            base = torch.empty(4, 6)
+            complex_ = torch.empty(4, 6, dtype=torch.complex64)
+            inputs = [base, torch.empty(8, 6)[:4], torch.empty(8, 6)[4:],  # offset, storage size
+                      torch.empty(6, 4).t(), torch.empty(4, 6, requires_grad=True),
+                      torch.empty(4, 6, dtype=torch.int64), complex_, complex_.conj(), torch.empty(2, 3, 4, 5),
+                      torch.empty(2, 3, 4, 5).to(memory_format=torch.channels_last)]
+            ops = [lambda t: t * 2, lambda t: t * 2.0, lambda t: t.sum(0), lambda t: t.reshape(-1),
+                   lambda t: t[1:], lambda t: t.contiguous(), lambda t: t.clone(), lambda t: t.unsqueeze(0)]
+            found = []
+            for tensor in inputs:
+                for op in ops:
+                    for _ in range(2):  # the second from the cache
+                        out = op(tensor)
+                        found.append((tuple(out.shape), out.stride(), out.dtype, out.storage_offset(),
+                                      out.requires_grad, out.is_conj(), out.untyped_storage().nbytes(),
+                                      out.untyped_storage()._cdata == tensor.untyped_storage()._cdata))
+        return found
+
+    expected = answers(FakeTensorMode(allow_non_fake_inputs=True))
+    hits = FakeTensorMode.cache_hits
+    assert answers(meter._counting_fake_mode(meter.AllocatorTracker())) == expected
+    assert FakeTensorMode.cache_hits - hits >= 64  # the answers came from the counting mode's keys
+
+
 # -- against the sim meter ---------------------------------------------------------------------
 @pytest.mark.slow
 def test_every_phase_of_35_tiny_configurations_matches_the_sim_meter(runner):

@@ -249,7 +249,42 @@ def _counting_fake_mode(tracker: AllocatorTracker):
                         tracker.add(tensor)
             return out
 
+        def _prep_args_for_hash(self, result, args, state, id_hashed_objects):
+            # The cache key of an op, as FakeTensorMode makes it, with a fake tensor's layout read
+            # in one tuple: its own way builds a metadata record per tensor argument and flattens
+            # it field by field, half of a cache hit's time (benchmarks/estimate_speed.py). The
+            # tuple holds everything that record does but what its shape and strides decide
+            # (memory format) or its layout does (sparsity): the same ops share a key.
+            if self.shape_env is not None:  # symbolic sizes: FakeTensorMode's own way
+                return super()._prep_args_for_hash(result, args, state, id_hashed_objects)
+            if isinstance(args, dict):
+                return super()._prep_args_for_hash(result, args, state, id_hashed_objects)
+            if isinstance(args, (list, tuple)):
+                result.append(type(args))
+                result.append(len(args))
+            for arg in args:
+                kind = type(arg)
+                if kind in _PLAIN_ARGUMENTS:
+                    result.append(kind)
+                    result.append(arg)
+                elif (kind is fake_tensor.FakeTensor and arg.fake_mode is self and arg.constant is None
+                      and arg.layout is torch.strided):
+                    result.append(_FAKE_LAYOUT)
+                    result.append((arg.dtype, arg.shape, arg.stride(), arg.device, arg.storage_offset(),
+                                   arg.untyped_storage().nbytes(), arg.requires_grad, arg.is_conj(),
+                                   arg.is_neg(), arg.is_inference(), arg.is_quantized))
+                elif kind is list or kind is tuple:
+                    self._prep_args_for_hash(result, arg, state, id_hashed_objects)
+                else:  # anything else (a symbolic int, a function, a foreign tensor) as it would be
+                    super()._prep_args_for_hash(result, (arg,), state, id_hashed_objects)
+
     return _CountingFakeMode()
+
+
+# Arguments an op's cache key holds as they are, with their type (1 and 1.0 make different dtypes).
+_PLAIN_ARGUMENTS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                              torch.memory_format})
+_FAKE_LAYOUT = "fake tensor"  # marks a fake tensor's layout tuple in a cache key
 
 
 def tensors_of(*objects: Any) -> Iterator[torch.Tensor]:
