@@ -249,16 +249,15 @@ def _counting_fake_mode(tracker: AllocatorTracker):
                         tracker.add(tensor)
             return out
 
-        def _prep_args_for_hash(self, result, args, state, id_hashed_objects):
+        def _prep_args_for_hash(self, result, args, *rest):
             # The cache key of an op, as FakeTensorMode makes it, with a fake tensor's layout read
             # in one tuple: its own way builds a metadata record per tensor argument and flattens
             # it field by field, half of a cache hit's time (benchmarks/estimate_speed.py). The
             # tuple holds everything that record does but what its shape and strides decide
             # (memory format) or its layout does (sparsity): the same ops share a key.
-            if self.shape_env is not None:  # symbolic sizes: FakeTensorMode's own way
-                return super()._prep_args_for_hash(result, args, state, id_hashed_objects)
-            if isinstance(args, dict):
-                return super()._prep_args_for_hash(result, args, state, id_hashed_objects)
+            # (*rest: the key state and the objects hashed by id, as this torch passes them on)
+            if self.shape_env is not None or isinstance(args, dict):  # symbolic sizes; kwargs
+                return super()._prep_args_for_hash(result, args, *rest)
             if isinstance(args, (list, tuple)):
                 result.append(type(args))
                 result.append(len(args))
@@ -274,9 +273,9 @@ def _counting_fake_mode(tracker: AllocatorTracker):
                                    arg.untyped_storage().nbytes(), arg.requires_grad, arg.is_conj(),
                                    arg.is_neg(), arg.is_inference(), arg.is_quantized))
                 elif kind is list or kind is tuple:
-                    self._prep_args_for_hash(result, arg, state, id_hashed_objects)
+                    self._prep_args_for_hash(result, arg, *rest)
                 else:  # anything else (a symbolic int, a function, a foreign tensor) as it would be
-                    super()._prep_args_for_hash(result, (arg,), state, id_hashed_objects)
+                    super()._prep_args_for_hash(result, (arg,), *rest)
 
     return _CountingFakeMode()
 
