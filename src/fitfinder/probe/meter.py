@@ -27,6 +27,7 @@ each storage is also counted as the CUDA caching allocator hands it out; a GPU o
 from __future__ import annotations
 
 import gc
+import inspect
 import os
 import time
 import weakref
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # imported by torch itself
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     is_traceable_wrapper_subclass,
@@ -249,34 +251,10 @@ def _counting_fake_mode(tracker: AllocatorTracker):
                         tracker.add(tensor)
             return out
 
-        def _prep_args_for_hash(self, result, args, *rest):
-            # The cache key of an op, as FakeTensorMode makes it, with a fake tensor's layout read
-            # in one tuple: its own way builds a metadata record per tensor argument and flattens
-            # it field by field, half of a cache hit's time (benchmarks/estimate_speed.py). The
-            # tuple holds everything that record does but what its shape and strides decide
-            # (memory format) or its layout does (sparsity): the same ops share a key.
-            # (*rest: the key state and the objects hashed by id, as this torch passes them on)
-            if self.shape_env is not None or isinstance(args, dict):  # symbolic sizes; kwargs
-                return super()._prep_args_for_hash(result, args, *rest)
-            if isinstance(args, (list, tuple)):
-                result.append(type(args))
-                result.append(len(args))
-            for arg in args:
-                kind = type(arg)
-                if kind in _PLAIN_ARGUMENTS:
-                    result.append(kind)
-                    result.append(arg)
-                elif (kind is fake_tensor.FakeTensor and arg.fake_mode is self and arg.constant is None
-                      and arg.layout is torch.strided):
-                    result.append(_FAKE_LAYOUT)
-                    result.append((arg.dtype, arg.shape, arg.stride(), arg.device, arg.storage_offset(),
-                                   arg.untyped_storage().nbytes(), arg.requires_grad, arg.is_conj(),
-                                   arg.is_neg(), arg.is_inference(), arg.is_quantized))
-                elif kind is list or kind is tuple:
-                    self._prep_args_for_hash(result, arg, *rest)
-                else:  # anything else (a symbolic int, a function, a foreign tensor) as it would be
-                    super()._prep_args_for_hash(result, (arg,), *rest)
-
+    # FakeTensorMode's key builder appends to a list (torch 2.13 here); older ones returned a tuple
+    # (`_prep_args_for_hash(self, args)`): there the mode keeps its own.
+    if "result" in inspect.signature(fake_tensor.FakeTensorMode._prep_args_for_hash).parameters:
+        _CountingFakeMode._prep_args_for_hash = _key_by_layout
     return _CountingFakeMode()
 
 
@@ -284,6 +262,37 @@ def _counting_fake_mode(tracker: AllocatorTracker):
 _PLAIN_ARGUMENTS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
                               torch.memory_format})
 _FAKE_LAYOUT = "fake tensor"  # marks a fake tensor's layout tuple in a cache key
+
+
+def _key_by_layout(mode, result: list, args, *rest) -> None:
+    """FakeTensorMode's `_prep_args_for_hash` for the estimate's counting mode: the cache key of an
+    op, as FakeTensorMode makes it, with a fake tensor's layout read in one tuple.
+
+    Its own way builds a metadata record per tensor argument and flattens it field by field, half
+    of a cache hit's time (docs/estimate.md, "A cheaper key for each op"). The tuple holds
+    everything that record does but what the shape and strides decide (the memory format) or the
+    layout does (sparsity), so the same ops share a key. `rest`: the key state and the objects
+    hashed by id, as this torch passes them on.
+    """
+    if mode.shape_env is not None or isinstance(args, dict):  # symbolic sizes; kwargs
+        return FakeTensorMode._prep_args_for_hash(mode, result, args, *rest)
+    if isinstance(args, (list, tuple)):
+        result.append(type(args))
+        result.append(len(args))
+    for arg in args:
+        kind = type(arg)
+        if kind in _PLAIN_ARGUMENTS:
+            result.append(kind)
+            result.append(arg)
+        elif kind is FakeTensor and arg.fake_mode is mode and arg.constant is None and arg.layout is torch.strided:
+            result.append(_FAKE_LAYOUT)
+            result.append((arg.dtype, arg.shape, arg.stride(), arg.device, arg.storage_offset(),
+                           arg.untyped_storage().nbytes(), arg.requires_grad, arg.is_conj(), arg.is_neg(),
+                           arg.is_inference(), arg.is_quantized))
+        elif kind is list or kind is tuple:
+            _key_by_layout(mode, result, arg, *rest)
+        else:  # anything else (a symbolic int, a function, a foreign tensor) as FakeTensorMode keys it
+            FakeTensorMode._prep_args_for_hash(mode, result, (arg,), *rest)
 
 
 def tensors_of(*objects: Any) -> Iterator[torch.Tensor]:
