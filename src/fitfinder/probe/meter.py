@@ -253,7 +253,7 @@ def _counting_fake_mode(tracker: AllocatorTracker):
 
     # FakeTensorMode's key builder appends to a list (torch 2.13 here); older ones returned a tuple
     # (`_prep_args_for_hash(self, args)`): there the mode keeps its own.
-    if "result" in inspect.signature(fake_tensor.FakeTensorMode._prep_args_for_hash).parameters:
+    if "result" in inspect.signature(FakeTensorMode._prep_args_for_hash).parameters:
         _CountingFakeMode._prep_args_for_hash = _key_by_layout
     return _CountingFakeMode()
 
