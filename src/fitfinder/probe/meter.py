@@ -978,7 +978,7 @@ class RepeatedUpdates:
     """Per-parameter updates that change tensors in place run once per layout; repeats replay them.
 
     An optimizer step over a LoRA (FLUX.1-dev: 988 tensors of a few dozen shapes) runs the same
-    ops once per tensor, and so does the EMA after it; on fake tensors those ops cost ~100 us each
+    ops once per tensor, and so does the EMA after it; on fake tensors those ops cost ~40-100 us each
     whatever the values, and a training step's optimizer and EMA were a fifth of its estimate.
     The first update of each key (the parameter's and its gradient's layouts, its state's, the
     settings) runs and is measured: its peak over the live bytes it started from. A repeat makes
