@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # imported by torch itself
+from torch._subclasses import fake_tensor  # imported by torch itself
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     is_traceable_wrapper_subclass,
@@ -222,14 +223,12 @@ def _counting_fake_mode(tracker: AllocatorTracker):
     Non-fake inputs are allowed: small constants made from Python values (code books, noise
     schedules) mix with the fake weights, as they would with real ones.
     """
-    from torch._subclasses import fake_tensor
-
     # Queries (device, sizes, strides) answered straight from the fake tensor, as FakeTensorMode's
     # dispatch answers them first: autograd and the linear kernels ask for devices 100,000 times
     # a training step, each a trip through Python.
     queries = getattr(fake_tensor, "_DISPATCH_META_HANDLERS", {})
 
-    class _CountingFakeMode(fake_tensor.FakeTensorMode):
+    class _CountingFakeMode(FakeTensorMode):
         def __init__(self) -> None:
             super().__init__(allow_non_fake_inputs=True)
             self.depth = 0
@@ -491,9 +490,7 @@ class EstimateMeter(SimMeter):
         """Factories make real tensors (the fake mode steps aside); ops on fake tensors stay fake.
         For code that reads values, such as bitsandbytes building its code books with .tolist().
         The tracker, entered as a dispatch mode meanwhile, counts the real tensors too."""
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        with unset_fake_temporarily(), self.tracker:
+        with fake_tensor.unset_fake_temporarily(), self.tracker:
             yield
 
     def repeated(self, key: Any, make, remake) -> Any:
@@ -1081,8 +1078,9 @@ class RepeatedUpdates:
         window = tracker.window()
         out = make()
         rise = window.close()
-        own = (_owns_storage(out) and out.untyped_storage()._cdata not in before
-               and tracker.live == {**before, out.untyped_storage()._cdata: out.untyped_storage().nbytes()})
+        storage = out.untyped_storage()
+        own = (_owns_storage(out) and storage._cdata not in before
+               and tracker.live == {**before, storage._cdata: storage.nbytes()})
         self.traces[key] = (rise, _layout_of(out)) if own else None
         return out
 
