@@ -37,5 +37,6 @@ finally:
     os.close(_stderr)
 
 # The libraries' objects live as long as the process: frozen, no collection scans them again. The
-# estimate's first collection (estimate.InProcess.run) took 0.3 s scanning them.
+# estimate's first collection (estimate.InProcess.run) took 0.27 s scanning them
+# (benchmarks/fake_dispatch.py).
 gc.freeze()

@@ -268,7 +268,7 @@ def _key_by_layout(mode, result: list, args, *rest) -> None:
     op, as FakeTensorMode makes it, with a fake tensor's layout read in one tuple.
 
     Its own way builds a metadata record per tensor argument and flattens it field by field, half
-    of a cache hit's time (docs/estimate.md, "A cheaper key for each op"). The tuple holds
+    of a cache hit's time (`benchmarks/fake_dispatch.py`: an add 86 -> 40 us, its key 45 -> 7 us). The tuple holds
     everything that record does but what the shape and strides decide (the memory format) or the
     layout does (sparsity), so the same ops share a key. `rest`: the key state and the objects
     hashed by id, as this torch passes them on.

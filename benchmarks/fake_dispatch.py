@@ -1,0 +1,106 @@
+"""What one op on fake tensors costs the estimate, with its layout key and with FakeTensorMode's own.
+
+The estimate runs every op of a job on fake tensors under one counting FakeTensorMode
+(`meter._counting_fake_mode`); nearly every op is answered from FakeTensorMode's cache, and the
+key of that cache is built per op. The counting mode keys a fake argument on one tuple of its
+layout (`meter._key_by_layout`); FakeTensorMode's own key builds a metadata record per argument
+and flattens it field by field. This times, in one process and side by side:
+
+- ops:        a few ops of a transformer's training step on fake bf16 tensors (each once to fill
+              the cache, then the best of 3 rounds of N calls), in the counting mode as the
+              estimate runs it and in the same mode with FakeTensorMode's own key;
+- key:        the key of `add` alone, both ways;
+- collection: a full `gc.collect()` after the libraries the estimate preloads are imported,
+              with them frozen (`probe/_preload.py`) and not.
+
+    python benchmarks/fake_dispatch.py [--calls 3000] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+
+def _best_of(rounds: int, calls: int, fn) -> float:
+    """Microseconds per call, the best of `rounds` rounds of `calls` calls."""
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - started) / calls)
+    return best * 1e6
+
+
+def _mode(own_key: bool):
+    """The estimate's counting mode; with `own_key`, keyed as FakeTensorMode keys it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fitfinder.probe import meter
+
+    mode = meter._counting_fake_mode(meter.AllocatorTracker())
+    if own_key:
+        type(mode)._prep_args_for_hash = FakeTensorMode._prep_args_for_hash  # a class of its own per mode
+    return mode
+
+
+def op_costs(calls: int) -> dict[str, dict[str, float]]:
+    import torch
+    from torch._subclasses.fake_tensor import _CacheKeyState
+
+    costs: dict[str, dict[str, float]] = {}
+    for label, own_key in (("layout key", False), ("FakeTensorMode's key", True)):
+        mode = _mode(own_key)
+        with mode:
+            x = torch.empty(4096, 3072, dtype=torch.bfloat16)
+            w = torch.empty(3072, 3072, dtype=torch.bfloat16)
+            b = torch.empty(3072, dtype=torch.bfloat16)
+            ops = {"linear": lambda: torch.nn.functional.linear(x, w, b), "add": lambda: x + x,
+                   "mul_ (in place)": lambda: x.mul_(2), "view": lambda: x.view(2, 2048, 3072),
+                   "t (transpose)": lambda: w.t()}
+            costs[label] = {name: _best_of(3, calls, fn) for name, fn in ops.items()}
+            add = torch.ops.aten.add.Tensor
+            key = lambda: mode._cache_key(_CacheKeyState(None), add, (x, x), {})  # noqa: E731
+            costs[label]["key of add"] = _best_of(3, calls, key)
+    return costs
+
+
+def collection_seconds() -> dict[str, float]:
+    import fitfinder.probe._preload  # noqa: F401 - freezes what the imports made
+
+    gc.unfreeze()
+    started = time.perf_counter()
+    gc.collect()
+    unfrozen = time.perf_counter() - started
+    gc.freeze()
+    started = time.perf_counter()
+    gc.collect()
+    return {"not frozen": unfrozen, "frozen": time.perf_counter() - started}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=3000, help="calls per round (3 rounds, the best)")
+    parser.add_argument("--json", help="write the figures here too")
+    args = parser.parse_args()
+
+    collections = collection_seconds()  # first: the preload's imports are what it measures
+    costs = op_costs(args.calls)
+    ours, theirs = costs["layout key"], costs["FakeTensorMode's key"]
+    print("one op on fake tensors in the estimate's counting mode, us per call (best of 3 rounds)")
+    print(f"{'op':<18}{'layout key':>12}{'own key':>10}{'ratio':>8}")
+    for name in ours:
+        print(f"{name:<18}{ours[name]:>12.1f}{theirs[name]:>10.1f}{ours[name] / theirs[name]:>8.2f}")
+    print(f"\na full collection after the preloaded imports: {collections['not frozen']:.3f} s not frozen, "
+          f"{collections['frozen']:.3f} s frozen")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"us_per_call": costs, "collection_seconds": collections}, out, indent=2)
+
+
+if __name__ == "__main__":
+    main()
