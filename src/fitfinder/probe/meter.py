@@ -454,6 +454,7 @@ class EstimateMeter(SimMeter):
 
     kind = "estimate"
     fake = True
+    _froze = False  # whether an estimate's phase in this process froze what was alive (`phase`)
 
     def __init__(self, budget_bytes: int | None, overhead=None):
         _PhaseClock.__init__(self)
@@ -465,6 +466,13 @@ class EstimateMeter(SimMeter):
         self._replays: list = []  # RepeatedBlocks, CheckpointedBlocks, RepeatedUpdates installed
 
     def __enter__(self) -> "EstimateMeter":
+        if EstimateMeter._froze:
+            # The last estimate's pipeline, frozen by its phases, is garbage in reference cycles now:
+            # back to the collector, which frees it, and what lives on is frozen again.
+            gc.unfreeze()
+            gc.collect()
+            gc.freeze()
+            EstimateMeter._froze = False
         self.fake_mode = _counting_fake_mode(self.tracker)
         self.fake_mode.__enter__()
         return self
@@ -476,6 +484,11 @@ class EstimateMeter(SimMeter):
     def phase(self, name: str) -> Iterator[None]:
         self.current_phase = name
         gc.collect()
+        # What survives a phase's collection is mostly the pipeline, alive until the estimate ends:
+        # frozen, the next phases' collections skip it (0.4 s of the FLUX.1-dev estimate's 0.6 s
+        # of collecting). The next EstimateMeter in this process unfreezes it (`__enter__`).
+        gc.freeze()
+        EstimateMeter._froze = True
         tracker = self.tracker
         tracker.peak_bytes, tracker.peak_allocated_bytes = tracker.live_bytes, tracker.allocated_bytes
         start = time.perf_counter()
