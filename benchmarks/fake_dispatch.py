@@ -1,14 +1,17 @@
-"""What one op on fake tensors costs the estimate, with its layout key and with FakeTensorMode's own.
+"""What one op on fake tensors costs the estimate, with its layout key and new outputs and with
+FakeTensorMode's own.
 
 The estimate runs every op of a job on fake tensors under one counting FakeTensorMode
-(`meter._counting_fake_mode`); nearly every op is answered from FakeTensorMode's cache, and the
-key of that cache is built per op. The counting mode keys a fake argument on one tuple of its
-layout (`meter._key_by_layout`); FakeTensorMode's own key builds a metadata record per argument
-and flattens it field by field. This times, in one process and side by side:
+(`meter._counting_fake_mode`); nearly every op is answered from FakeTensorMode's cache: a key is
+built per op, and the output made from the cache entry. The counting mode keys a fake argument on
+one tuple of its layout (`meter._key_by_layout`), where FakeTensorMode's own key builds a metadata
+record per argument and flattens it field by field; and it makes a new output in one step
+(`meter._new_output_from_cache`). This times, in one process and side by side:
 
 - ops:        a few ops of a transformer's training step on fake bf16 tensors (each once to fill
               the cache, then the best of 3 rounds of N calls), in the counting mode as the
-              estimate runs it and in the same mode with FakeTensorMode's own key;
+              estimate runs it, the same with FakeTensorMode's own outputs, and with its own key
+              and outputs;
 - key:        the key of `add` alone, both ways;
 - collection: a full `gc.collect()` after the libraries the estimate preloads are imported,
               with them frozen (`probe/_preload.py`) and not.
@@ -36,15 +39,21 @@ def _best_of(rounds: int, calls: int, fn) -> float:
     return best * 1e6
 
 
-def _mode(own_key: bool):
-    """The estimate's counting mode; with `own_key`, keyed as FakeTensorMode keys it."""
+VARIANTS = ("estimate", "own outputs", "own key+outputs")
+
+
+def _mode(variant: str):
+    """The estimate's counting mode; with FakeTensorMode's own outputs, or its own key and outputs."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from fitfinder.probe import meter
 
     mode = meter._counting_fake_mode(meter.AllocatorTracker())
-    if own_key:
-        type(mode)._prep_args_for_hash = FakeTensorMode._prep_args_for_hash  # a class of its own per mode
+    cls = type(mode)  # a class of its own per mode
+    if variant != "estimate":
+        cls._get_output_tensor_from_cache_entry = FakeTensorMode._get_output_tensor_from_cache_entry
+    if variant == "own key+outputs":
+        cls._prep_args_for_hash = FakeTensorMode._prep_args_for_hash
     return mode
 
 
@@ -53,8 +62,8 @@ def op_costs(calls: int) -> dict[str, dict[str, float]]:
     from torch._subclasses.fake_tensor import _CacheKeyState
 
     costs: dict[str, dict[str, float]] = {}
-    for label, own_key in (("layout key", False), ("FakeTensorMode's key", True)):
-        mode = _mode(own_key)
+    for label in VARIANTS:
+        mode = _mode(label)
         with mode:
             x = torch.empty(4096, 3072, dtype=torch.bfloat16)
             w = torch.empty(3072, 3072, dtype=torch.bfloat16)
@@ -90,11 +99,12 @@ def main() -> None:
 
     collections = collection_seconds()  # first: the preload's imports are what it measures
     costs = op_costs(args.calls)
-    ours, theirs = costs["layout key"], costs["FakeTensorMode's key"]
+    ours, outputs, theirs = (costs[variant] for variant in VARIANTS)
     print("one op on fake tensors in the estimate's counting mode, us per call (best of 3 rounds)")
-    print(f"{'op':<18}{'layout key':>12}{'own key':>10}{'ratio':>8}")
+    print(f"{'op':<18}{'estimate':>10}{'own outputs':>13}{'own key+outputs':>17}{'ratio':>8}")
     for name in ours:
-        print(f"{name:<18}{ours[name]:>12.1f}{theirs[name]:>10.1f}{ours[name] / theirs[name]:>8.2f}")
+        print(f"{name:<18}{ours[name]:>10.1f}{outputs[name]:>13.1f}{theirs[name]:>17.1f}"
+              f"{ours[name] / theirs[name]:>8.2f}")
     print(f"\na full collection after the preloaded imports: {collections['not frozen']:.3f} s not frozen, "
           f"{collections['frozen']:.3f} s frozen")
     if args.json:

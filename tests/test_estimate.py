@@ -71,7 +71,8 @@ def test_the_meter_counts_real_tensors_made_where_values_are_needed():
 def test_the_estimate_answers_each_op_with_the_layout_fake_tensor_mode_gives():
     """The counting mode keys its cache of op answers on each fake input's layout in one tuple, not
     FakeTensorMode's metadata record: inputs that differ in one field of the layout (offset,
-    storage size, strides, dtype, gradients, conjugation, memory format) must not share an answer."""
+    storage size, strides, dtype, gradients, conjugation, memory format) must not share an answer.
+    And it makes a new output from the cache in one step: the same tensor as FakeTensorMode's."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -92,12 +93,14 @@ def test_the_estimate_answers_each_op_with_the_layout_fake_tensor_mode_gives():
                         out = op(tensor)
                         found.append((tuple(out.shape), out.stride(), out.dtype, out.storage_offset(),
                                       out.requires_grad, out.is_conj(), out.untyped_storage().nbytes(),
-                                      out.untyped_storage()._cdata == tensor.untyped_storage()._cdata))
+                                      out.untyped_storage()._cdata == tensor.untyped_storage()._cdata,
+                                      type(out).__name__, out.device, out.fake_mode is mode))
         return found
 
     expected = answers(FakeTensorMode(allow_non_fake_inputs=True))
     counting = meter._counting_fake_mode(meter.AllocatorTracker())
     assert type(counting)._prep_args_for_hash is meter._key_by_layout  # this torch takes the layout key
+    assert type(counting)._get_output_tensor_from_cache_entry is meter._new_output_from_cache  # and new outputs
     hits = FakeTensorMode.cache_hits
     assert answers(counting) == expected
     assert FakeTensorMode.cache_hits - hits >= 64  # the answers came from the counting mode's keys

@@ -251,9 +251,10 @@ def _counting_fake_mode(tracker: AllocatorTracker):
             return out
 
     # FakeTensorMode's key builder appends to a list (torch 2.13 here); older ones returned a tuple
-    # (`_prep_args_for_hash(self, args)`): there the mode keeps its own.
+    # (`_prep_args_for_hash(self, args)`): there the mode keeps its own key, and its own outputs.
     if "result" in inspect.signature(FakeTensorMode._prep_args_for_hash).parameters:
         _CountingFakeMode._prep_args_for_hash = _key_by_layout
+        _CountingFakeMode._get_output_tensor_from_cache_entry = _new_output_from_cache
     return _CountingFakeMode()
 
 
@@ -292,6 +293,28 @@ def _key_by_layout(mode, result: list, args, *rest) -> None:
             _key_by_layout(mode, result, arg, *rest)
         else:  # anything else (a symbolic int, a function, a foreign tensor) as FakeTensorMode keys it
             FakeTensorMode._prep_args_for_hash(mode, result, (arg,), *rest)
+
+
+def _new_output_from_cache(mode, state, entry, key, func, args) -> FakeTensor | None:
+    """FakeTensorMode's `_get_output_tensor_from_cache_entry` for the estimate's counting mode: an
+    output answered from the cache, as FakeTensorMode makes it, in one step when it is a new tensor.
+
+    Most cache hits are ops that make a new tensor of sizes known in advance (not in place, not a
+    view, no symbolic sizes, no conjugate or negative bit, strided). For those FakeTensorMode
+    reads each size through a checker of symbolic values and makes the meta tensor under its
+    kernel-invocation context; here the meta tensor is made with the mode's dispatch off and
+    wrapped as it wraps it (`benchmarks/fake_dispatch.py`: an add 39 -> 33 us, a linear 106 -> 86
+    us; the FLUX.1-dev estimate 9% shorter). Everything else goes through FakeTensorMode's own code.
+    """
+    metadata = entry.metadata
+    if (metadata is None or entry.inplace_idx is not None or entry.view_idx is not None
+            or mode.shape_env is not None or metadata.layout is not torch.strided
+            or metadata.is_conj or metadata.is_neg):
+        return FakeTensorMode._get_output_tensor_from_cache_entry(mode, state, entry, key, func, args)
+    with torch._C._DisableTorchDispatch():
+        empty = torch.empty_strided(metadata.shape, metadata.stride, dtype=metadata.dtype, device="meta",
+                                    requires_grad=metadata.requires_grad)
+    return FakeTensor(mode, empty, metadata.device)
 
 
 def tensors_of(*objects: Any) -> Iterator[torch.Tensor]:
