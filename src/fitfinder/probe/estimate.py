@@ -122,7 +122,12 @@ class InProcess:
     def run(self, request: ProbeRequest, log_path=None) -> ProbeResult:
         with _quiet_fds():
             import fitfinder.probe._preload  # noqa: F401 - the libraries, once, before the clock starts
-        gc.collect()  # the last estimate's garbage, before probe.run freezes what is alive
+        from fitfinder.probe.meter import EstimateMeter
+
+        # The last estimate's garbage, before probe.run freezes what is alive, and before the
+        # timeout starts: an alarm that rang while the collector ran a finalizer would be lost.
+        EstimateMeter.thaw()
+        gc.collect()
         started, cpu = time.perf_counter(), time.process_time()
         try:
             with _quiet_fds(), _alarm(self.timeout_s):

@@ -488,14 +488,18 @@ class EstimateMeter(SimMeter):
         self._repeated: dict = {}
         self._replays: list = []  # RepeatedBlocks, CheckpointedBlocks, RepeatedUpdates installed
 
-    def __enter__(self) -> "EstimateMeter":
-        if EstimateMeter._froze:
-            # The last estimate's pipeline, frozen by its phases, is garbage in reference cycles now:
-            # back to the collector, which frees it, and what lives on is frozen again.
+    @classmethod
+    def thaw(cls) -> None:
+        """The last estimate's pipeline, frozen by its phases (`phase`) and garbage in reference
+        cycles now, back to the collector, which frees it; what lives on is frozen again."""
+        if cls._froze:
             gc.unfreeze()
             gc.collect()
             gc.freeze()
-            EstimateMeter._froze = False
+            cls._froze = False
+
+    def __enter__(self) -> "EstimateMeter":
+        EstimateMeter.thaw()  # estimate.InProcess has done it already, before its timeout started
         self.fake_mode = _counting_fake_mode(self.tracker)
         self.fake_mode.__enter__()
         return self
@@ -509,7 +513,7 @@ class EstimateMeter(SimMeter):
         gc.collect()
         # What survives a phase's collection is mostly the pipeline, alive until the estimate ends:
         # frozen, the next phases' collections skip it (0.4 s of the FLUX.1-dev estimate's 0.6 s
-        # of collecting). The next EstimateMeter in this process unfreezes it (`__enter__`).
+        # of collecting). The next EstimateMeter in this process unfreezes it (`thaw`).
         gc.freeze()
         EstimateMeter._froze = True
         tracker = self.tracker
