@@ -303,8 +303,8 @@ def _new_output_from_cache(mode, state, entry, key, func, args) -> FakeTensor | 
     view, no symbolic sizes, no conjugate or negative bit, strided). For those FakeTensorMode
     reads each size through a checker of symbolic values and makes the meta tensor under its
     kernel-invocation context; here the meta tensor is made with the mode's dispatch off and
-    wrapped as it wraps it (`benchmarks/fake_dispatch.py`: an add 39 -> 33 us, a linear 106 -> 86
-    us; the FLUX.1-dev estimate 9% shorter). Everything else goes through FakeTensorMode's own code.
+    wrapped as it wraps it (`benchmarks/fake_dispatch.py`: an add 41 -> 32 us, a linear 109 -> 93
+    us). Everything else goes through FakeTensorMode's own code.
     """
     metadata = entry.metadata
     if (metadata is None or entry.inplace_idx is not None or entry.view_idx is not None
@@ -512,8 +512,8 @@ class EstimateMeter(SimMeter):
         self.current_phase = name
         gc.collect()
         # What survives a phase's collection is mostly the pipeline, alive until the estimate ends:
-        # frozen, the next phases' collections skip it (0.4 s of the FLUX.1-dev estimate's 0.6 s
-        # of collecting). The next EstimateMeter in this process unfreezes it (`thaw`).
+        # frozen, the next phases' collections skip it (the FLUX.1-dev estimate's collections 0.49
+        # -> 0.14 s, benchmarks/estimate_collections.py). The next estimate unfreezes it (`thaw`).
         gc.freeze()
         EstimateMeter._froze = True
         tracker = self.tracker
