@@ -276,28 +276,7 @@ def _deep_tiny_estimate(family: str, changes: dict, replay: bool) -> dict:
     return result
 
 
-_TWO_ESTIMATES = """
-import json
-from fitfinder import probe
-from fitfinder.probe import estimate
-from fitfinder.probe.overhead import GpuOverhead
-from tests.conftest import tiny_job
-
-request = estimate.as_estimate(probe.request_for(tiny_job("flux", {"model.quantize": True}), 3, "sim", None),
-                               GpuOverhead.none())
-print(json.dumps([estimate.InProcess(600).run(request)["phases"] for _ in range(2)]))
-"""
-
-
-def test_the_first_estimate_in_a_process_counts_what_the_next_one_counts():
-    """quanto's first 8-bit quantize imports a module that makes two index tensors (host constants,
-    16 KiB): made inside the meter they counted as device memory of the process's first estimate
-    only, so --search and tiers, which estimate many times in one process, disagreed with it."""
-    first, second = _in_a_fresh_interpreter(_TWO_ESTIMATES)
-    assert set(first) == set(ALL_PHASES) and first == second
-
-
-_OBJECTS_AFTER_ESTIMATES = """
+_ESTIMATES_IN_ONE_PROCESS = """
 import gc, json
 from fitfinder import probe
 from fitfinder.probe import estimate
@@ -306,20 +285,35 @@ from tests.conftest import tiny_job
 
 request = estimate.as_estimate(probe.request_for(tiny_job("flux", {"model.quantize": True}), 3, "sim", None),
                                GpuOverhead.none())
-tracked = []
+phases, tracked = [], []
 for _ in range(4):
-    estimate.InProcess(600).run(request)
+    phases.append(estimate.InProcess(600).run(request)["phases"])
     tracked.append(gc.get_freeze_count() + len(gc.get_objects()))
-print(json.dumps(tracked))
+print(json.dumps({"phases": phases, "tracked": tracked}))
 """
 
 
-def test_what_an_estimate_froze_goes_back_to_the_collector_at_the_next():
+@pytest.fixture(scope="module")
+def estimates_in_one_process() -> dict:
+    """Four estimates of a tiny 8-bit FLUX job in one fresh interpreter: each one's phases, and the
+    objects the collector tracks (frozen or not) after each."""
+    return _in_a_fresh_interpreter(_ESTIMATES_IN_ONE_PROCESS)
+
+
+def test_the_first_estimate_in_a_process_counts_what_the_next_one_counts(estimates_in_one_process):
+    """quanto's first 8-bit quantize imports a module that makes two index tensors (host constants,
+    16 KiB): made inside the meter they counted as device memory of the process's first estimate
+    only, so --search and tiers, which estimate many times in one process, disagreed with it."""
+    first, second = estimates_in_one_process["phases"][:2]
+    assert set(first) == set(ALL_PHASES) and first == second
+
+
+def test_what_an_estimate_froze_goes_back_to_the_collector_at_the_next(estimates_in_one_process):
     """The estimate meter freezes what survives each phase's collection (its pipeline), which is
     garbage in reference cycles when the estimate ends: were it left frozen, every estimate of
     --search or tiers would keep the last one's pipeline for good (about 14,000 objects for this
     tiny job, each time). The next estimate gives it back to the collector."""
-    tracked = _in_a_fresh_interpreter(_OBJECTS_AFTER_ESTIMATES)
+    tracked = estimates_in_one_process["tracked"]
     assert tracked[3] - tracked[1] < 1_000, tracked
 
 
