@@ -6,12 +6,14 @@ The estimate runs every op of a job on fake tensors under one counting FakeTenso
 built per op, and the output made from the cache entry. The counting mode keys a fake argument on
 one tuple of its layout (`meter._key_by_layout`), where FakeTensorMode's own key builds a metadata
 record per argument and flattens it field by field; and it makes a new output in one step
-(`meter._new_output_from_cache`). This times, in one process and side by side:
+(`meter._new_output_from_cache`). Some ops it answers without the cache: new empty tensors and
+views in C++ (`meter._DIRECT_OPS`), `_unsafe_view` as the cached `view` (`meter._same_fake_ops`).
+This times, in one process and side by side:
 
 - ops:        a few ops of a transformer's training step on fake bf16 tensors (each once to fill
               the cache, then the best of 3 rounds of N calls), in the counting mode as the
-              estimate runs it, the same with FakeTensorMode's own outputs, and with its own key
-              and outputs;
+              estimate runs it; without its direct answers (and `_unsafe_view` as itself); then
+              also with FakeTensorMode's own outputs; and with its own key and outputs too;
 - key:        the key of `add` alone, both ways;
 - collection: a full `gc.collect()` after the libraries the estimate preloads are imported,
               with them frozen (`probe/_preload.py`) and not.
@@ -39,11 +41,12 @@ def _best_of(rounds: int, calls: int, fn) -> float:
     return best * 1e6
 
 
-VARIANTS = ("estimate", "own outputs", "own key+outputs")
+VARIANTS = ("estimate", "no direct", "own outputs", "own key+outputs")
 
 
 def _mode(variant: str):
-    """The estimate's counting mode; with FakeTensorMode's own outputs, or its own key and outputs."""
+    """The estimate's counting mode; without its direct answers; with FakeTensorMode's own outputs
+    too, or its own key and outputs too."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from fitfinder.probe import meter
@@ -51,6 +54,8 @@ def _mode(variant: str):
     mode = meter._counting_fake_mode(meter.AllocatorTracker())
     cls = type(mode)  # a class of its own per mode
     if variant != "estimate":
+        cls.direct, cls.same_as = {}, {}
+    if variant in ("own outputs", "own key+outputs"):
         cls._get_output_tensor_from_cache_entry = FakeTensorMode._get_output_tensor_from_cache_entry
     if variant == "own key+outputs":
         cls._prep_args_for_hash = FakeTensorMode._prep_args_for_hash
@@ -70,7 +75,10 @@ def op_costs(calls: int) -> dict[str, dict[str, float]]:
             b = torch.empty(3072, dtype=torch.bfloat16)
             ops = {"linear": lambda: torch.nn.functional.linear(x, w, b), "add": lambda: x + x,
                    "mul_ (in place)": lambda: x.mul_(2), "view": lambda: x.view(2, 2048, 3072),
-                   "t (transpose)": lambda: w.t()}
+                   "_unsafe_view": lambda: torch.ops.aten._unsafe_view(x, (2, 2048, 3072)),
+                   "t (transpose)": lambda: w.t(), "detach": lambda: x.detach(),
+                   "empty_strided": lambda: torch.empty_strided((4096, 3072), (3072, 1), dtype=torch.bfloat16),
+                   "zeros (cached)": lambda: torch.zeros((3072, 3072), dtype=torch.bfloat16)}
             costs[label] = {name: _best_of(3, calls, fn) for name, fn in ops.items()}
             add = torch.ops.aten.add.Tensor
             key = lambda: mode._cache_key(_CacheKeyState(None), add, (x, x), {})  # noqa: E731
@@ -99,12 +107,12 @@ def main() -> None:
 
     collections = collection_seconds()  # first: the preload's imports are what it measures
     costs = op_costs(args.calls)
-    ours, outputs, theirs = (costs[variant] for variant in VARIANTS)
+    ours, theirs = costs[VARIANTS[0]], costs[VARIANTS[-1]]
     print("one op on fake tensors in the estimate's counting mode, us per call (best of 3 rounds)")
-    print(f"{'op':<18}{'estimate':>10}{'own outputs':>13}{'own key+outputs':>17}{'ratio':>8}")
+    print(f"{'op':<18}" + "".join(f"{variant:>17}" for variant in VARIANTS) + f"{'ratio':>8}")
     for name in ours:
-        print(f"{name:<18}{ours[name]:>10.1f}{outputs[name]:>13.1f}{theirs[name]:>17.1f}"
-              f"{ours[name] / theirs[name]:>8.2f}")
+        print(f"{name:<18}" + "".join(f"{costs[variant][name]:>17.1f}" for variant in VARIANTS)
+              + f"{ours[name] / theirs[name]:>8.2f}")
     print(f"\na full collection after the preloaded imports: {collections['not frozen']:.3f} s not frozen, "
           f"{collections['frozen']:.3f} s frozen")
     if args.json:

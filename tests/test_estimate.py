@@ -106,6 +106,45 @@ def test_the_estimate_answers_each_op_with_the_layout_fake_tensor_mode_gives():
     assert FakeTensorMode.cache_hits - hits >= 64  # the answers came from the counting mode's keys
 
 
+_DIRECT_ANSWERS_CROSSCHECKED = """
+import collections, json
+from fitfinder import probe
+from fitfinder.models import FAMILIES
+from fitfinder.probe import estimate, meter
+from fitfinder.probe.overhead import GpuOverhead
+from tests.conftest import tiny_job
+
+meter.CROSSCHECK_DIRECT_OPS = True
+checked, crosscheck = collections.Counter(), meter._crosscheck
+
+def counted(out, expected, func, args):
+    crosscheck(out, expected, func, args)
+    checked[str(func)] += 1
+
+meter._crosscheck = counted
+statuses = {}
+for family in FAMILIES:
+    job = tiny_job(family, {"model.quantize": True})
+    request = estimate.as_estimate(probe.request_for(job, 3, "sim", None), GpuOverhead.none())
+    result = estimate.InProcess(600).run(request)
+    statuses[family] = [result["status"], (result.get("error") or "")[-400:]]
+print(json.dumps({"statuses": statuses, "checked": checked}))
+"""
+
+
+@pytest.mark.slow
+def test_the_ops_the_counting_mode_answers_itself_get_fake_tensor_modes_answers():
+    """The counting mode answers new empty tensors and views itself (meter._DIRECT_OPS); with the
+    crosscheck on, each answer is held to FakeTensorMode's own for the same op (sizes, strides,
+    offset, storage size and which input's storage it shares, device, dtype, flags), through a
+    tiny estimate of every family: loading, quantizing, previews and a training step."""
+    found = _in_a_fresh_interpreter(_DIRECT_ANSWERS_CROSSCHECKED)
+    failed = {family: status for family, status in found["statuses"].items() if status[0] != "ok"}
+    assert not failed
+    assert found["checked"]["aten.empty_strided.default"] > 1_000 and found["checked"]["aten.detach.default"] > 100
+    assert len(found["checked"]) >= 8, found["checked"]  # most kinds of direct answer met
+
+
 # -- against the sim meter ---------------------------------------------------------------------
 @pytest.mark.slow
 def test_every_phase_of_35_tiny_configurations_matches_the_sim_meter(runner):

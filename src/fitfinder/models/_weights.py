@@ -241,8 +241,6 @@ def _meta(tensor: torch.Tensor):
 def _like(layout: tuple, linear: torch.nn.Linear) -> torch.nn.Module:
     """A quantized layer of a recorded layout, with fresh tensors and `linear`'s bias: what
     quantizing `linear` makes, without computing it (the estimate's repeats)."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
     from fitfinder.models import _fake  # imports this module
 
     described, templates = layout
@@ -254,7 +252,7 @@ def _like(layout: tuple, linear: torch.nn.Linear) -> torch.nn.Module:
             layer.register_buffer(name, tensor, persistent=False)
         return layer
     cls, qtype, weight_cls, context, size, stride = described
-    with _disable_current_modes():
+    with _fake.plain_meta():  # its meta Linear without the kaiming fills (_fake._no_init)
         layer = cls.qcreate(linear, qtype, device="meta")
     layer.input_scale, layer.output_scale = fresh.pop("input_scale"), fresh.pop("output_scale")
     weight = weight_cls.__tensor_unflatten__(fresh, context, size, stride)
@@ -279,11 +277,12 @@ def _quanto_linear(linear: torch.nn.Linear, qtype_name: str) -> torch.nn.Module:
     """
     from optimum import quanto
     from optimum.quanto.nn import QLinear
-    from torch.utils._python_dispatch import _disable_current_modes
+
+    from fitfinder.models import _fake  # imports this module
 
     _give_quanto_a_fake_path()
     weight = linear.weight
-    with _disable_current_modes():
+    with _fake.plain_meta():
         layer = QLinear.qcreate(linear, getattr(quanto, qtype_name), device="meta")
     layer.input_scale = torch.ones((), dtype=weight.dtype, device=weight.device)
     layer.output_scale = torch.ones((), dtype=weight.dtype, device=weight.device)

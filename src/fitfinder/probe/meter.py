@@ -229,6 +229,9 @@ def _counting_fake_mode(tracker: AllocatorTracker):
     queries = getattr(fake_tensor, "_DISPATCH_META_HANDLERS", {})
 
     class _CountingFakeMode(FakeTensorMode):
+        same_as = _same_fake_ops()  # op -> the op it is answered as
+        direct = _DIRECT_OPS if fake_internals_known() else {}  # op -> its direct answer
+
         def __init__(self) -> None:
             super().__init__(allow_non_fake_inputs=True)
             self.depth = 0
@@ -237,11 +240,23 @@ def _counting_fake_mode(tracker: AllocatorTracker):
             query = queries.get(func)
             if query is not None:
                 return query(args)
-            self.depth += 1
-            try:
-                out = self.dispatch(func, types, args, kwargs or {})
-            finally:
-                self.depth -= 1
+            func = self.same_as.get(func, func)
+            out = None
+            answer = self.direct.get(func)
+            if answer is not None and self.shape_env is None:
+                out = answer(self, func, args, kwargs or {})
+                if out is not None and CROSSCHECK_DIRECT_OPS:
+                    self.depth += 1  # what FakeTensorMode makes for the check is not counted
+                    try:
+                        _crosscheck(out, self.dispatch(func, types, args, kwargs or {}), func, args)
+                    finally:
+                        self.depth -= 1
+            if out is None:
+                self.depth += 1
+                try:
+                    out = self.dispatch(func, types, args, kwargs or {})
+                finally:
+                    self.depth -= 1
             if self.depth == 0 and not tracker.paused:
                 if isinstance(out, torch.Tensor):  # most ops: no generator for those
                     tracker.add(out)
@@ -250,12 +265,110 @@ def _counting_fake_mode(tracker: AllocatorTracker):
                         tracker.add(tensor)
             return out
 
-    # FakeTensorMode's key builder appends to a list (torch 2.13 here); older ones returned a tuple
-    # (`_prep_args_for_hash(self, args)`): there the mode keeps its own key, and its own outputs.
-    if "result" in inspect.signature(FakeTensorMode._prep_args_for_hash).parameters:
+    if fake_internals_known():
         _CountingFakeMode._prep_args_for_hash = _key_by_layout
         _CountingFakeMode._get_output_tensor_from_cache_entry = _new_output_from_cache
     return _CountingFakeMode()
+
+
+def fake_internals_known() -> bool:
+    """Whether FakeTensorMode's internals are those the counting mode's own keys, outputs and direct
+    answers follow: its key builder appends to a list (torch 2.13 here), where older ones returned a
+    tuple (`_prep_args_for_hash(self, args)`). Another keeps the mode's own ways."""
+    return "result" in inspect.signature(FakeTensorMode._prep_args_for_hash).parameters
+
+
+def _same_fake_ops() -> dict:
+    """Ops FakeTensorMode makes with the very function of a cacheable op: answered as that op.
+
+    `aten._unsafe_view` (matmul's and linear's reshape of their fresh output, 395 times in a
+    FLUX.1-dev estimate) is `aten.view` to the fake mode (torch/_subclasses/fake_impls.py, one
+    `_view_meta` registered for both): the same view of the same storage. But the mode never
+    caches `_unsafe_view` (autograd does not treat it as a view, so a cached copy could not say
+    what it aliases), and runs its reshape checks each time, ~0.25 ms; as `aten.view` it is a
+    cache hit that remakes the view (`benchmarks/fake_dispatch.py`). Only where this torch
+    registers one function for both: another torch keeps the mode's own way.
+    """
+    from torch._subclasses import fake_impls
+
+    implementations, aten = fake_impls.op_implementations_dict, torch.ops.aten
+    view = implementations.get(aten.view.default)
+    if view is None or implementations.get(aten._unsafe_view.default) is not view:
+        return {}
+    return {aten._unsafe_view.default: aten.view.default}
+
+
+# Ops the counting mode answers itself, as FakeTensorMode would: a new empty tensor (the
+# materialized and quantized weights, the replays' outputs, the optimizers' state) or a view of
+# one input (detach, transpose, slices). Counted while profiling, some 14,000 of a FLUX.1-dev
+# estimate's 27,000 ops. FakeTensorMode answers each from its cache (its key, its entry, its
+# remaking of the output) or, the first time, through Python reference code; the meta kernels make
+# the same tensor in C++ (`benchmarks/fake_dispatch.py`: a detach 39 -> 23 us). Not `aten.view`:
+# for a size-1 dimension the mode's reference code gives another stride than the meta kernel.
+# Each answers None where it is not sure (an input that is not a plain fake tensor of the mode, an
+# argument it does not know), and the mode's own way takes over. CROSSCHECK_DIRECT_OPS holds each
+# answer to FakeTensorMode's (tests/test_estimate.py, a tiny estimate of every family).
+CROSSCHECK_DIRECT_OPS = False
+
+
+def _plain_fake(mode, tensor) -> bool:
+    return (type(tensor) is FakeTensor and tensor.fake_mode is mode and tensor.constant is None
+            and tensor.layout is torch.strided and not tensor.is_conj() and not tensor.is_neg())
+
+
+def _meta_twin(tensor: FakeTensor) -> torch.Tensor:
+    """A plain meta tensor over the fake tensor's own (meta) storage, for a meta kernel to read."""
+    twin = torch.empty((0,), dtype=tensor.dtype, device="meta")
+    return twin.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
+
+
+def _made_directly(mode, func, args, kwargs) -> FakeTensor | None:
+    """A new empty tensor of given sizes: FakeTensorMode's `constructors` (torch/_subclasses/
+    fake_impls.py) makes it on meta and puts it on the requested device, by default the CPU. (Not
+    `zeros` or the `_like`s: their meta kernels take longer than the mode's cache hit.)"""
+    if (kwargs.get("layout") not in (None, torch.strided) or kwargs.get("pin_memory")
+            or set(kwargs) - _FACTORY_KWARGS or not all(type(arg) in (list, tuple) for arg in args)):
+        return None
+    with torch._C._DisableTorchDispatch():
+        made = func(*args, **{**kwargs, "device": _META})
+    return FakeTensor(mode, made, kwargs.get("device") or _CPU)
+
+
+def _viewed_directly(mode, func, args, kwargs) -> FakeTensor | None:
+    """A view of one plain fake tensor, by arguments that are no tensors: the meta kernel's view
+    of its storage, on its device, as FakeTensorMode's view outputs are."""
+    base = args[0]
+    if kwargs or not _plain_fake(mode, base) or any(isinstance(a, torch.Tensor) for a in args[1:]):
+        return None
+    with torch._C._DisableTorchDispatch():
+        view = func(_meta_twin(base), *args[1:])
+    return FakeTensor(mode, view, base.fake_device)
+
+
+def _crosscheck(out: FakeTensor, expected, func, args) -> None:
+    """A direct answer is what FakeTensorMode answers: the same tensor, on the same device, over
+    the same input's storage (a view) or a new one (a factory)."""
+    def described(tensor):
+        storage = tensor.untyped_storage()
+        aliased = [i for i, arg in enumerate(args)
+                   if isinstance(arg, torch.Tensor) and arg.untyped_storage()._cdata == storage._cdata]
+        return (type(tensor), tensor.fake_device, tensor.dtype, tensor.shape, tensor.stride(),
+                tensor.storage_offset(), storage.nbytes(), tensor.requires_grad, tensor.is_inference(), aliased)
+
+    if type(expected) is not FakeTensor or described(out) != described(expected):
+        raise AssertionError(f"{func} answered directly as {described(out)}, by FakeTensorMode as "
+                             f"{described(expected) if type(expected) is FakeTensor else expected!r}")
+
+
+_aten = torch.ops.aten
+_FACTORY_KWARGS = frozenset({"dtype", "layout", "device", "pin_memory", "memory_format"})
+_CPU, _META = torch.device("cpu"), torch.device("meta")
+_DIRECT_OPS = {
+    **dict.fromkeys([_aten.empty_strided.default, _aten.empty.memory_format], _made_directly),
+    **dict.fromkeys([_aten.detach.default, _aten.t.default, _aten.transpose.int,
+                     _aten.permute.default, _aten.unsqueeze.default, _aten.squeeze.dim, _aten.expand.default,
+                     _aten.as_strided.default, _aten.slice.Tensor, _aten.select.int], _viewed_directly),
+}
 
 
 # Arguments an op's cache key holds as they are, with their type (1 and 1.0 make different dtypes).
