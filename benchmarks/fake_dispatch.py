@@ -7,12 +7,14 @@ built per op, and the output made from the cache entry. The counting mode keys a
 one tuple of its layout (`meter._key_by_layout`), where FakeTensorMode's own key builds a metadata
 record per argument and flattens it field by field; and it makes a new output in one step
 (`meter._new_output_from_cache`). Some ops it answers without the cache: new empty tensors and
-views in C++ (`meter._DIRECT_OPS`), `_unsafe_view` as the cached `view` (`meter._same_fake_ops`).
+views in C++ (`meter._DIRECT_OPS`), `_unsafe_view` as the cached `view` (`meter._same_fake_ops`),
+and it caches quanto's matmul (`meter._cacheable_quanto_ops`).
 This times, in one process and side by side:
 
 - ops:        a few ops of a transformer's training step on fake bf16 tensors (each once to fill
               the cache, then the best of 3 rounds of N calls), in the counting mode as the
-              estimate runs it; without its direct answers (and `_unsafe_view` as itself); then
+              estimate runs it; without its direct answers (`_unsafe_view` as itself, quanto's
+              matmul uncached); then
               also with FakeTensorMode's own outputs; and with its own key and outputs too;
 - key:        the key of `add` alone, both ways;
 - collection: a full `gc.collect()` after the libraries the estimate preloads are imported,
@@ -51,10 +53,11 @@ def _mode(variant: str):
 
     from fitfinder.probe import meter
 
+    FakeTensorMode.cache.clear()  # shared by every mode: what one variant cached, another would hit
     mode = meter._counting_fake_mode(meter.AllocatorTracker())
     cls = type(mode)  # a class of its own per mode
     if variant != "estimate":
-        cls.direct, cls.same_as = {}, {}
+        cls.direct, cls.same_as, cls.cacheable_quanto_ops = {}, {}, frozenset()
     if variant in ("own outputs", "own key+outputs"):
         cls._get_output_tensor_from_cache_entry = FakeTensorMode._get_output_tensor_from_cache_entry
     if variant == "own key+outputs":
@@ -63,6 +66,7 @@ def _mode(variant: str):
 
 
 def op_costs(calls: int) -> dict[str, dict[str, float]]:
+    import optimum.quanto  # noqa: F401 - registers quanto's ops
     import torch
     from torch._subclasses.fake_tensor import _CacheKeyState
 
@@ -73,12 +77,14 @@ def op_costs(calls: int) -> dict[str, dict[str, float]]:
             x = torch.empty(4096, 3072, dtype=torch.bfloat16)
             w = torch.empty(3072, 3072, dtype=torch.bfloat16)
             b = torch.empty(3072, dtype=torch.bfloat16)
+            codes, scales = torch.empty(3072, 3072, dtype=torch.int8), torch.empty(3072, 1, dtype=torch.bfloat16)
             ops = {"linear": lambda: torch.nn.functional.linear(x, w, b), "add": lambda: x + x,
                    "mul_ (in place)": lambda: x.mul_(2), "view": lambda: x.view(2, 2048, 3072),
                    "_unsafe_view": lambda: torch.ops.aten._unsafe_view(x, (2, 2048, 3072)),
                    "t (transpose)": lambda: w.t(), "detach": lambda: x.detach(),
                    "empty_strided": lambda: torch.empty_strided((4096, 3072), (3072, 1), dtype=torch.bfloat16),
-                   "zeros (cached)": lambda: torch.zeros((3072, 3072), dtype=torch.bfloat16)}
+                   "zeros (cached)": lambda: torch.zeros((3072, 3072), dtype=torch.bfloat16),
+                   "quanto qbytes_mm": lambda: torch.ops.quanto.qbytes_mm(x, codes, scales)}
             costs[label] = {name: _best_of(3, calls, fn) for name, fn in ops.items()}
             add = torch.ops.aten.add.Tensor
             key = lambda: mode._cache_key(_CacheKeyState(None), add, (x, x), {})  # noqa: E731

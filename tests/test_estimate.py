@@ -108,6 +108,7 @@ def test_the_estimate_answers_each_op_with_the_layout_fake_tensor_mode_gives():
 
 _DIRECT_ANSWERS_CROSSCHECKED = """
 import collections, json
+import torch._dynamo.config
 from fitfinder import probe
 from fitfinder.models import FAMILIES
 from fitfinder.probe import estimate, meter
@@ -115,6 +116,7 @@ from fitfinder.probe.overhead import GpuOverhead
 from tests.conftest import tiny_job
 
 meter.CROSSCHECK_DIRECT_OPS = True
+torch._dynamo.config.fake_tensor_cache_crosscheck_enabled = True  # FakeTensorMode's check of its cache hits
 checked, crosscheck = collections.Counter(), meter._crosscheck
 
 def counted(out, expected, func, args):
@@ -133,11 +135,13 @@ print(json.dumps({"statuses": statuses, "checked": checked}))
 
 
 @pytest.mark.slow
-def test_the_ops_the_counting_mode_answers_itself_get_fake_tensor_modes_answers():
-    """The counting mode answers new empty tensors and views itself (meter._DIRECT_OPS); with the
+def test_the_ops_the_counting_mode_answers_itself_or_from_the_cache_get_fake_tensor_modes_answers():
+    """The counting mode answers new empty tensors and views itself (meter._DIRECT_OPS): with its
     crosscheck on, each answer is held to FakeTensorMode's own for the same op (sizes, strides,
-    offset, storage size and which input's storage it shares, device, dtype, flags), through a
-    tiny estimate of every family: loading, quantizing, previews and a training step."""
+    offset, storage size and which input's storage it shares, device, dtype, flags). It also makes
+    the cache's outputs its own way and caches quanto's matmul: with FakeTensorMode's crosscheck
+    of cache hits on, each hit is held to what the op gives run afresh. Through a tiny 8-bit
+    estimate of every family: loading, quantizing, previews and a training step."""
     found = _in_a_fresh_interpreter(_DIRECT_ANSWERS_CROSSCHECKED)
     failed = {family: status for family, status in found["statuses"].items() if status[0] != "ok"}
     assert not failed

@@ -268,7 +268,29 @@ def _counting_fake_mode(tracker: AllocatorTracker):
     if fake_internals_known():
         _CountingFakeMode._prep_args_for_hash = _key_by_layout
         _CountingFakeMode._get_output_tensor_from_cache_entry = _new_output_from_cache
+        _CountingFakeMode._validate_cache_key = _cacheable_quanto_ops
+        _CountingFakeMode.cacheable_quanto_ops = _quanto_cacheable()
     return _CountingFakeMode()
+
+
+def _cacheable_quanto_ops(mode, func, args, kwargs) -> None:
+    """FakeTensorMode's `_validate_cache_key`, with quanto's two functional ops cacheable.
+
+    The mode caches no operator from outside torch (it cannot know whether its output depends on
+    more than its inputs' layouts), so every quantized layer's matmul (`quanto::qbytes_mm`, 227
+    times in a FLUX.1-dev estimate) ran quanto's Python on meta tensors, about 0.5 ms each. Both
+    compute from their inputs' sizes and dtypes alone (optimum/quanto/library/qbytes_mm.py,
+    quantize.py) and make a new tensor; the mode's own checks of what it caches (no alias of an
+    input, a fake output) still run on their outputs.
+    """
+    if func not in mode.cacheable_quanto_ops:
+        FakeTensorMode._validate_cache_key(mode, func, args, kwargs)
+
+
+def _quanto_cacheable() -> frozenset:
+    """quanto's cacheable ops, where optimum.quanto registered them (it is imported by then)."""
+    names = ("qbytes_mm", "quantize_symmetric")
+    return frozenset(getattr(torch.ops.quanto, name).default for name in names if hasattr(torch.ops.quanto, name))
 
 
 def fake_internals_known() -> bool:
@@ -412,21 +434,27 @@ def _new_output_from_cache(mode, state, entry, key, func, args) -> FakeTensor | 
     """FakeTensorMode's `_get_output_tensor_from_cache_entry` for the estimate's counting mode: an
     output answered from the cache, as FakeTensorMode makes it, in one step when it is a new tensor.
 
-    Most cache hits are ops that make a new tensor of sizes known in advance (not in place, not a
-    view, no symbolic sizes, no conjugate or negative bit, strided). For those FakeTensorMode
-    reads each size through a checker of symbolic values and makes the meta tensor under its
-    kernel-invocation context; here the meta tensor is made with the mode's dispatch off and
-    wrapped as it wraps it (`benchmarks/fake_dispatch.py`: an add 41 -> 32 us, a linear 109 -> 93
-    us). Everything else goes through FakeTensorMode's own code.
+    Most cache hits are ops that make a new tensor, or a view of an input, of sizes known in
+    advance (not in place, no symbolic sizes, no conjugate or negative bit, strided). For those
+    FakeTensorMode reads each size through a checker of symbolic values and makes the meta tensor
+    (for a view, set onto the input's storage) under its kernel-invocation context; here it is made
+    with the mode's dispatch off and wrapped as it wraps it (`benchmarks/fake_dispatch.py`: an add
+    41 -> 32 us, a linear 109 -> 93 us). Everything else goes through FakeTensorMode's own code.
     """
     metadata = entry.metadata
-    if (metadata is None or entry.inplace_idx is not None or entry.view_idx is not None
-            or mode.shape_env is not None or metadata.layout is not torch.strided
-            or metadata.is_conj or metadata.is_neg):
+    if (metadata is None or entry.inplace_idx is not None or mode.shape_env is not None
+            or metadata.layout is not torch.strided or metadata.is_conj or metadata.is_neg):
         return FakeTensorMode._get_output_tensor_from_cache_entry(mode, state, entry, key, func, args)
+    viewed = None
+    if entry.view_idx is not None:  # a view: the same sizes over its input's storage
+        viewed = args[entry.view_idx]
+        if not (isinstance(func, torch._ops.OpOverload) and func.is_view and type(viewed) is FakeTensor):
+            return FakeTensorMode._get_output_tensor_from_cache_entry(mode, state, entry, key, func, args)
     with torch._C._DisableTorchDispatch():
         empty = torch.empty_strided(metadata.shape, metadata.stride, dtype=metadata.dtype, device="meta",
                                     requires_grad=metadata.requires_grad)
+        if viewed is not None:
+            empty.set_(viewed.untyped_storage(), metadata.storage_offset, metadata.shape, metadata.stride)
     return FakeTensor(mode, empty, metadata.device)
 
 
