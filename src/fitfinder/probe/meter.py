@@ -458,18 +458,46 @@ def _new_output_from_cache(mode, state, entry, key, func, args) -> FakeTensor | 
     return FakeTensor(mode, empty, metadata.device)
 
 
+def submodules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """`module.modules()`, in its order, each once: without the names `Module.named_modules` builds
+    for every module on the way, recursively. The meters walk whole models (placing a part, each
+    block's replay key) thousands of times an estimate; this walk takes a third of the time."""
+    found, seen, stack = [], set(), [module]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        found.append(current)
+        stack.extend(child for child in reversed(current._modules.values()) if child is not None)
+    return found
+
+
+def members(modules: list[torch.nn.Module], table: str = "_parameters") -> list[torch.Tensor]:
+    """The parameters (or `_buffers`) of `submodules(...)` as `Module.parameters()` (`buffers()`)
+    gives them: in order, each once."""
+    found, seen = [], set()
+    for module in modules:
+        for tensor in getattr(module, table).values():
+            if tensor is not None and id(tensor) not in seen:
+                seen.add(id(tensor))
+                found.append(tensor)
+    return found
+
+
 def tensors_of(*objects: Any) -> Iterator[torch.Tensor]:
     """Every tensor held by modules (parameters, grads, buffers; not the weights of offloaded
     layers), optimizers (state) or given directly."""
     for obj in objects:
         if isinstance(obj, torch.nn.Module):
-            for param in obj.parameters():
+            modules = submodules(obj)
+            for param in members(modules):
                 if getattr(param, "_is_memory_managed", False):
                     continue  # an offloaded layer's weight, in host memory (models/_offload.py)
                 yield param
                 if param.grad is not None:
                     yield param.grad
-            yield from obj.buffers()
+            yield from members(modules, "_buffers")
         elif isinstance(obj, torch.optim.Optimizer):
             for state in obj.state.values():
                 yield from (v for v in state.values() if isinstance(v, torch.Tensor))
@@ -751,7 +779,7 @@ class RepeatedBlocks:
                         self._wrap(block)
 
     def _wrap(self, block: torch.nn.Module) -> None:
-        if any(getattr(module, "offloaded", False) for module in block.modules()):
+        if any(getattr(module, "offloaded", False) for module in submodules(block)):
             return  # its offloaded layers' copies outlive it in the staging rings (models/_offload.py)
         forward = block.forward
 
@@ -769,8 +797,9 @@ class RepeatedBlocks:
 
     def _key(self, block, args, kwargs) -> tuple | None:
         live = self.tracker.live
+        modules = submodules(block)
         params = tuple((tuple(t.shape), t.dtype, t.untyped_storage()._cdata in live)
-                       for held in [*block.parameters(), *block.buffers()] for t in inner_tensors(held))
+                       for held in [*members(modules), *members(modules, "_buffers")] for t in inner_tensors(held))
         signature = _signature((args, tuple(sorted(kwargs.items()))))
         return None if signature is None else (type(block), params, signature)
 
@@ -917,10 +946,11 @@ class CheckpointedBlocks:
                 trained.append(param)
             params.append(tuple((tuple(t.shape), t.dtype, t.untyped_storage()._cdata in tracker.live)
                                 for t in inner_tensors(param)))
-        if any(getattr(module, "offloaded", False) or _hooked(module) for module in block.modules()):
+        modules = submodules(block)
+        if any(getattr(module, "offloaded", False) or _hooked(module) for module in modules):
             return None
         grads = tuple(None if p.grad is None else _layout_of(p.grad) for p in trained)
-        buffers = tuple((tuple(t.shape), t.dtype) for t in block.buffers())
+        buffers = tuple((tuple(t.shape), t.dtype) for t in members(modules, "_buffers"))
         signature = _signature(args)
         return None if signature is None else (type(block), tuple(params), buffers, grads, signature)
 
@@ -947,7 +977,7 @@ class CheckpointedBlocks:
         """The block's forward without its ops: see `_Replayed`."""
         structure = self.forwards[key][1]
         inputs = list(tensors_returned(args))
-        trained = [param for param in block.parameters() if param.requires_grad]
+        trained = [param for param in members(submodules(block)) if param.requires_grad]
         made = iter(_Replayed.apply(self, key, len(inputs), trained, *inputs, *trained))
         self.pending[key] = self.pending.get(key, 0) + 1
         self.replayed += 1
@@ -955,7 +985,7 @@ class CheckpointedBlocks:
 
     def _measure_backward(self, checkpoint, block, args, key):
         """Run the checkpointed block between two markers that measure its backward (`_BackwardTrace`)."""
-        trace = _BackwardTrace(self, key, [param for param in block.parameters() if param.requires_grad])
+        trace = _BackwardTrace(self, key, [param for param in members(submodules(block)) if param.requires_grad])
         inputs = list(tensors_returned(args))
         needing = [index for index, tensor in enumerate(inputs) if tensor.requires_grad]
         trace.inputs = [(index, inputs[index].untyped_storage()._cdata) for index in needing]
