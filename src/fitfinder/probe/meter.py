@@ -278,10 +278,11 @@ def _cacheable_quanto_ops(mode, func, args, kwargs) -> None:
 
     The mode caches no operator from outside torch (it cannot know whether its output depends on
     more than its inputs' layouts), so every quantized layer's matmul (`quanto::qbytes_mm`, 227
-    times in a FLUX.1-dev estimate) ran quanto's Python on meta tensors, about 0.5 ms each. Both
-    compute from their inputs' sizes and dtypes alone (optimum/quanto/library/qbytes_mm.py,
-    quantize.py) and make a new tensor; the mode's own checks of what it caches (no alias of an
-    input, a fake output) still run on their outputs.
+    times in a FLUX.1-dev estimate) ran quanto's Python on meta tensors
+    (`benchmarks/fake_dispatch.py`: 372 -> 37 us). Both compute from their inputs' sizes and
+    dtypes alone (optimum/quanto/library/qbytes_mm.py, quantize.py) and make a new tensor; the
+    mode's own checks of what it caches (no alias of an input, a fake output) still run on their
+    outputs.
     """
     if func not in mode.cacheable_quanto_ops:
         FakeTensorMode._validate_cache_key(mode, func, args, kwargs)
@@ -307,8 +308,8 @@ def _same_fake_ops() -> dict:
     FLUX.1-dev estimate) is `aten.view` to the fake mode (torch/_subclasses/fake_impls.py, one
     `_view_meta` registered for both): the same view of the same storage. But the mode never
     caches `_unsafe_view` (autograd does not treat it as a view, so a cached copy could not say
-    what it aliases), and runs its reshape checks each time, ~0.25 ms; as `aten.view` it is a
-    cache hit that remakes the view (`benchmarks/fake_dispatch.py`). Only where this torch
+    what it aliases), and runs its reshape checks each time; as `aten.view` it is a cache hit
+    that remakes the view (`benchmarks/fake_dispatch.py`: 121 -> 34 us). Only where this torch
     registers one function for both: another torch keeps the mode's own way.
     """
     from torch._subclasses import fake_impls
@@ -325,7 +326,7 @@ def _same_fake_ops() -> dict:
 # one input (detach, transpose, slices). Counted while profiling, some 14,000 of a FLUX.1-dev
 # estimate's 27,000 ops. FakeTensorMode answers each from its cache (its key, its entry, its
 # remaking of the output) or, the first time, through Python reference code; the meta kernels make
-# the same tensor in C++ (`benchmarks/fake_dispatch.py`: a detach 39 -> 23 us). Not `aten.view`:
+# the same tensor in C++ (`benchmarks/fake_dispatch.py`: a detach 31 -> 23 us). Not `aten.view`:
 # for a size-1 dimension the mode's reference code gives another stride than the meta kernel.
 # Each answers None where it is not sure (an input that is not a plain fake tensor of the mode, an
 # argument it does not know), and the mode's own way takes over. CROSSCHECK_DIRECT_OPS holds each
@@ -461,7 +462,8 @@ def _new_output_from_cache(mode, state, entry, key, func, args) -> FakeTensor | 
 def submodules(module: torch.nn.Module) -> list[torch.nn.Module]:
     """`module.modules()`, in its order, each once: without the names `Module.named_modules` builds
     for every module on the way, recursively. The meters walk whole models (placing a part, each
-    block's replay key) thousands of times an estimate; this walk takes a third of the time."""
+    block's replay key) thousands of times an estimate; this walk takes under half the time
+    (timed while profiling)."""
     found, seen, stack = [], set(), [module]
     while stack:
         current = stack.pop()
