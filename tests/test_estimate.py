@@ -106,6 +106,22 @@ def test_the_estimate_answers_each_op_with_the_layout_fake_tensor_mode_gives():
     assert FakeTensorMode.cache_hits - hits >= 64  # the answers came from the counting mode's keys
 
 
+def test_the_meters_walks_give_what_modules_parameters_and_buffers_give():
+    """The meters' walks without names (meter.submodules, meter.members) keep torch's order and give
+    each module and tensor once: a module held twice and a parameter tied across blocks included."""
+    import torch
+
+    blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)) for _ in range(3))
+    blocks.append(blocks[0][1])  # a module held twice
+    blocks[2][0].weight = blocks[1][0].weight  # a tied parameter
+    blocks[1].register_buffer("codes", torch.zeros(2))
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), blocks, torch.nn.BatchNorm1d(4))
+    modules = meter.submodules(model)
+    assert modules == list(model.modules())
+    assert meter.members(modules) == list(model.parameters())
+    assert meter.members(modules, "_buffers") == list(model.buffers())
+
+
 _DIRECT_ANSWERS_CROSSCHECKED = """
 import collections, json
 import torch._dynamo.config
