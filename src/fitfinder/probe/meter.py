@@ -26,6 +26,7 @@ each storage is also counted as the CUDA caching allocator hands it out; a GPU o
 
 from __future__ import annotations
 
+import functools
 import gc
 import inspect
 import os
@@ -240,23 +241,15 @@ def _counting_fake_mode(tracker: AllocatorTracker):
             query = queries.get(func)
             if query is not None:
                 return query(args)
-            func = self.same_as.get(func, func)
+            func, kwargs = self.same_as.get(func, func), kwargs or {}
             out = None
             answer = self.direct.get(func)
             if answer is not None and self.shape_env is None:
-                out = answer(self, func, args, kwargs or {})
+                out = answer(self, func, args, kwargs)
                 if out is not None and CROSSCHECK_DIRECT_OPS:
-                    self.depth += 1  # what FakeTensorMode makes for the check is not counted
-                    try:
-                        _crosscheck(out, self.dispatch(func, types, args, kwargs or {}), func, args)
-                    finally:
-                        self.depth -= 1
+                    _crosscheck(out, self.fake_answer(func, types, args, kwargs), func, args)
             if out is None:
-                self.depth += 1
-                try:
-                    out = self.dispatch(func, types, args, kwargs or {})
-                finally:
-                    self.depth -= 1
+                out = self.fake_answer(func, types, args, kwargs)
             if self.depth == 0 and not tracker.paused:
                 if isinstance(out, torch.Tensor):  # most ops: no generator for those
                     tracker.add(out)
@@ -264,6 +257,14 @@ def _counting_fake_mode(tracker: AllocatorTracker):
                     for tensor in tensors_returned(out):
                         tracker.add(tensor)
             return out
+
+        def fake_answer(self, func, types, args, kwargs):
+            """FakeTensorMode's answer; the ops it runs inside (decompositions) are not counted."""
+            self.depth += 1
+            try:
+                return self.dispatch(func, types, args, kwargs)
+            finally:
+                self.depth -= 1
 
     if fake_internals_known():
         _CountingFakeMode._prep_args_for_hash = _key_by_layout
@@ -294,6 +295,7 @@ def _quanto_cacheable() -> frozenset:
     return frozenset(getattr(torch.ops.quanto, name).default for name in names if hasattr(torch.ops.quanto, name))
 
 
+@functools.cache
 def fake_internals_known() -> bool:
     """Whether FakeTensorMode's internals are those the counting mode's own keys, outputs and direct
     answers follow: its key builder appends to a list (torch 2.13 here), where older ones returned a
@@ -339,10 +341,11 @@ def _plain_fake(mode, tensor) -> bool:
             and tensor.layout is torch.strided and not tensor.is_conj() and not tensor.is_neg())
 
 
-def _meta_twin(tensor: FakeTensor) -> torch.Tensor:
-    """A plain meta tensor over the fake tensor's own (meta) storage, for a meta kernel to read."""
-    twin = torch.empty((0,), dtype=tensor.dtype, device="meta")
-    return twin.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
+def _meta_over(tensor: FakeTensor, shape, stride, offset: int, dtype=None, requires_grad=False) -> torch.Tensor:
+    """A plain meta tensor of `shape` and `stride` over the fake tensor's own (meta) storage: its
+    twin for a meta kernel to read, or a view of it (call with the mode's dispatch off)."""
+    empty = torch.empty_strided(shape, stride, dtype=dtype or tensor.dtype, device="meta", requires_grad=requires_grad)
+    return empty.set_(tensor.untyped_storage(), offset, shape, stride)
 
 
 def _made_directly(mode, func, args, kwargs) -> FakeTensor | None:
@@ -364,7 +367,7 @@ def _viewed_directly(mode, func, args, kwargs) -> FakeTensor | None:
     if kwargs or not _plain_fake(mode, base) or any(isinstance(a, torch.Tensor) for a in args[1:]):
         return None
     with torch._C._DisableTorchDispatch():
-        view = func(_meta_twin(base), *args[1:])
+        view = func(_meta_over(base, base.shape, base.stride(), base.storage_offset()), *args[1:])
     return FakeTensor(mode, view, base.fake_device)
 
 
@@ -452,10 +455,12 @@ def _new_output_from_cache(mode, state, entry, key, func, args) -> FakeTensor | 
         if not (isinstance(func, torch._ops.OpOverload) and func.is_view and type(viewed) is FakeTensor):
             return FakeTensorMode._get_output_tensor_from_cache_entry(mode, state, entry, key, func, args)
     with torch._C._DisableTorchDispatch():
-        empty = torch.empty_strided(metadata.shape, metadata.stride, dtype=metadata.dtype, device="meta",
-                                    requires_grad=metadata.requires_grad)
-        if viewed is not None:
-            empty.set_(viewed.untyped_storage(), metadata.storage_offset, metadata.shape, metadata.stride)
+        if viewed is None:
+            empty = torch.empty_strided(metadata.shape, metadata.stride, dtype=metadata.dtype, device="meta",
+                                        requires_grad=metadata.requires_grad)
+        else:
+            empty = _meta_over(viewed, metadata.shape, metadata.stride, metadata.storage_offset, metadata.dtype,
+                               metadata.requires_grad)
     return FakeTensor(mode, empty, metadata.device)
 
 
