@@ -41,3 +41,31 @@ def test_the_timeout_must_be_positive():
     with pytest.raises(ValueError) as raised:
         estimate.InProcess(0)
     assert str(raised.value) == "the estimate's timeout must be positive but got 0"
+
+
+PRELOAD_IN_A_FRESH_PROCESS = """
+import gc, json, sys
+if sys.argv[1] == "off":
+    gc.disable()
+full_collections = []
+gc.callbacks.append(lambda phase, info: phase == "start" and info["generation"] == 2
+                    and full_collections.append(1))
+import fitfinder.probe._preload
+print(json.dumps({"collections": len(full_collections), "enabled": gc.isenabled(),
+                  "frozen": gc.get_freeze_count()}))
+"""
+
+
+@pytest.mark.parametrize("collector", ["on", "off"])
+def test_the_preload_imports_without_collecting_freezes_what_it_made_and_leaves_the_collector_as_it_was(collector):
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", PRELOAD_IN_A_FRESH_PROCESS, collector],
+                          capture_output=True, text=True, check=True)
+    after = json.loads(done.stdout.strip().splitlines()[-1])
+    # With the collector on, torch + diffusers + transformers alone ran eight full collections.
+    assert after["collections"] == 0
+    assert after["enabled"] is (collector == "on")
+    assert after["frozen"] > 500_000  # the libraries' objects, never scanned again
