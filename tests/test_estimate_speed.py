@@ -1,5 +1,10 @@
 """The estimate in the command's own process (estimate.InProcess): the same peaks as in a probe
-process, a timeout that ends it, and nothing printed by the libraries on stdout."""
+process, a timeout that ends it, and nothing printed by the libraries on stdout; and the
+preloaded imports, which run without the collector."""
+
+import json
+import subprocess
+import sys
 
 import pytest
 
@@ -58,14 +63,10 @@ print(json.dumps({"collections": len(full_collections), "enabled": gc.isenabled(
 
 @pytest.mark.parametrize("collector", ["on", "off"])
 def test_the_preload_imports_without_collecting_freezes_what_it_made_and_leaves_the_collector_as_it_was(collector):
-    import json
-    import subprocess
-    import sys
-
     done = subprocess.run([sys.executable, "-c", PRELOAD_IN_A_FRESH_PROCESS, collector],
                           capture_output=True, text=True, check=True)
     after = json.loads(done.stdout.strip().splitlines()[-1])
-    # With the collector on, torch + diffusers + transformers alone ran eight full collections.
+    # Before, with the collector on, these imports ran eight full collections (benchmarks/import_gc.py).
     assert after["collections"] == 0
     assert after["enabled"] is (collector == "on")
     assert after["frozen"] > 500_000  # the libraries' objects, never scanned again
