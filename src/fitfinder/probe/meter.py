@@ -492,6 +492,11 @@ def members(modules: list[torch.nn.Module], table: str = "_parameters") -> list[
     return found
 
 
+def _trained(block: torch.nn.Module) -> list[torch.Tensor]:
+    """The block's parameters that train (its LoRA's), in `Module.parameters()` order."""
+    return [param for param in members(submodules(block)) if param.requires_grad]
+
+
 def tensors_of(*objects: Any) -> Iterator[torch.Tensor]:
     """Every tensor held by modules (parameters, grads, buffers; not the weights of offloaded
     layers), optimizers (state) or given directly."""
@@ -984,7 +989,7 @@ class CheckpointedBlocks:
         """The block's forward without its ops: see `_Replayed`."""
         structure = self.forwards[key][1]
         inputs = list(tensors_returned(args))
-        trained = [param for param in members(submodules(block)) if param.requires_grad]
+        trained = _trained(block)
         made = iter(_Replayed.apply(self, key, len(inputs), trained, *inputs, *trained))
         self.pending[key] = self.pending.get(key, 0) + 1
         self.replayed += 1
@@ -992,7 +997,7 @@ class CheckpointedBlocks:
 
     def _measure_backward(self, checkpoint, block, args, key):
         """Run the checkpointed block between two markers that measure its backward (`_BackwardTrace`)."""
-        trace = _BackwardTrace(self, key, [param for param in members(submodules(block)) if param.requires_grad])
+        trace = _BackwardTrace(self, key, _trained(block))
         inputs = list(tensors_returned(args))
         needing = [index for index, tensor in enumerate(inputs) if tensor.requires_grad]
         trace.inputs = [(index, inputs[index].untyped_storage()._cdata) for index in needing]
