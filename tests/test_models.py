@@ -40,6 +40,9 @@ def test_family_from_model_arch(changes, family):
     ({"arch": "wan21_i2v:14b480p"}, "wan21_i2v"),  # the UI's name:variant form
     ({"name_or_path": "Wan-AI/Wan2.2-I2V-A14B-Diffusers"}, "wan22_i2v"),
     ({"name_or_path": "/models/my-wan2.2-ti2v-finetune"}, "wan22_5b"),  # ti2v is no A14B
+    ({"arch": "sd15"}, "sd15"),  # the UI's SD 1.5
+    ({"arch": "sd1"}, "sd15"),  # AI Toolkit's ModelConfig name for it
+    ({"name_or_path": "runwayml/stable-diffusion-v1-5"}, "sd15"),
 ])
 def test_family_from_flags_or_name(model, family):
     job = tiny_job("flux")
@@ -60,6 +63,8 @@ def test_an_unknown_model_is_one_line_listing_the_families_without_a_relabelling
 @pytest.mark.parametrize("model, told", [
     ({"arch": "omnigen2"}, "model.arch 'omnigen2' but cannot probe the omnigen2 family yet"),
     ({"arch": "ltx2.3"}, "model.arch 'ltx2.3' but cannot probe the ltx2.3 family yet"),
+    ({"arch": "krea2:turbo"}, "model.arch 'krea2:turbo' but cannot probe the krea2 family yet"),
+    ({"name_or_path": "/models/mine", "is_pixart": True}, "model.is_pixart but cannot probe the pixart family yet"),
 ])
 def test_a_model_fitfinder_knows_but_cannot_probe_yet_is_named_with_its_family(model, told):
     job = tiny_job("flux")
