@@ -9,16 +9,17 @@ from __future__ import annotations
 from fitfinder.models._common import KLImageLatents
 from fitfinder.models._family import Family
 
-# LoRA targets: the transformer blocks of the UNet's attentions (toolkit/lora_special.py keeps
-# "transformer_blocks" names). load_model's SDXL branch has no quantize call: the UNet is never
-# quantized, nor either CLIP.
+# LoRA targets: every Linear layer of the UNet, as SD 1.5's (models/sd15.py says why: toolkit/
+# lora_special.py wraps the whole UNet2DConditionModel and skips nothing in it), its 1x1 convolutions
+# left out as there. load_model's SDXL branch has no quantize call: the UNet is never quantized, nor
+# either CLIP.
 FAMILY = Family(
     name="sdxl",
     denoisers=("unet",),
     text_encoders=("text_encoder", "text_encoder_2"),
     classes={"unet": "diffusers.UNet2DConditionModel", "text_encoder": "transformers.CLIPTextModel",
              "text_encoder_2": "transformers.CLIPTextModelWithProjection", "vae": "diffusers.AutoencoderKL"},
-    lora_blocks=r"(down_blocks|up_blocks)\.\d+\.attentions\.\d+\..*|mid_block\.attentions\.\d+\..*",
+    lora_blocks=r".*",
     arch_values=("sdxl",),
     flags=("is_xl",),
     name_hints=("xl",),
