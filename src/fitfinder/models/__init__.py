@@ -53,14 +53,24 @@ def _family_modules() -> dict[str, Family]:
 
 FAMILIES: dict[str, Family] = _family_modules()
 
-# Models AI Toolkit trains that no family module probes yet (OmniGen2, LTX-2.3/2.5): named here so a job
-# of one is told so by name. A family module that claims one of these names takes precedence, so
-# adding a family needs no edit here (delete its rows when you add it, to keep this list honest).
+# Models AI Toolkit trains that no family module probes yet: named here so a job of one is told so by
+# name. Their `arch` values as AI Toolkit's model classes declare them (extensions_built_in/
+# diffusion_models/*, audio_models/ace_step; the UI's ui/src/app/jobs/new/options.tsx offers each) and
+# toolkit/config_modules.py ModelArch's older ones; commit 27a03a91. docs/models.md says why each waits.
+# A family module that claims one of these names takes precedence, so adding a family needs no edit
+# here (delete its rows when you add it, to keep this list honest).
 _TO_COME_ARCH_VALUES = {
     "omnigen2": "omnigen2", "ltx2.3": "ltx2.3", "ltx2.5": "ltx2.5",
+    **{arch: arch for arch in (
+        "ace_step_15", "ace_step_15_xl", "boogu_image", "boogu_image_edit", "chroma_radiance", "ernie_image",
+        "f-lite", "hidream_e1", "hidream_o1", "ideogram4", "krea2", "mageflow", "mageflow_edit", "minimax_h3",
+        "minimax_h3_ref2va", "nucleus_image", "prx_pixel", "zeta_chroma", "zimage_l2p",
+        "sd2", "pixart", "pixart_sigma", "auraflow", "vega", "ssd")},
 }
-# AI Toolkit's ModelConfig flags (is_v3, is_lumina2) name families that have their module now.
-_TO_COME_FLAGS: dict[str, str] = {}
+# AI Toolkit's ModelConfig flags of those older models (is_v3, is_lumina2, is_xl and is_flux name
+# families that have their module).
+_TO_COME_FLAGS = {"is_v2": "sd2", "is_pixart": "pixart", "is_pixart_sigma": "pixart_sigma",
+                  "is_auraflow": "auraflow", "is_vega": "vega", "is_ssd": "ssd"}
 _TO_COME_NAME_HINTS = {
     "omnigen": "omnigen2", "ltx23": "ltx2.3", "ltx25": "ltx2.5",
 }
