@@ -117,6 +117,10 @@ class Family:
     # Video: the datasets' num_frames and sample.num_frames are knobs; clips are frame_step*k+1 long.
     video: bool = False
     frame_step: int = 4
+    # The LoRA also wraps the Conv2d layers of `lora_blocks`: 1x1 at the LoRA's rank, the others only
+    # at `network.conv`'s rank when the job sets one (UNets: toolkit/lora_special.py create_modules,
+    # is_conv2d_1x1 and conv_lora_dim).
+    lora_convs: bool = False
     # What AI Toolkit's loader quantizes: `model.quantize` the denoiser(s) unless it never does;
     # `model.quantize_te` these encoders, with the qtype read from `model.<te_qtype_key>`.
     quantized_denoisers: bool = True

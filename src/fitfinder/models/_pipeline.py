@@ -13,6 +13,8 @@ Family.dropped.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from fitfinder.models import FAMILIES, _fake, _offload
@@ -144,12 +146,18 @@ def _add_lora(pipe: Pipeline, name: str, settings: dict) -> None:
 
     denoiser = pipe.parts[name]
     torch.manual_seed(settings.get("seed", 0))
-    targets = lora_targets(denoiser, pipe.family.lora_blocks)
+    conv_rank = settings.get("conv_rank")
+    targets, conv_targets = lora_targets(denoiser, pipe.family.lora_blocks, pipe.family.lora_convs, conv_rank)
     # network.network_kwargs.ignore_if_contains: AI Toolkit skips every layer whose name holds one
     # (toolkit/lora_special.py, LoRASpecialNetwork.create_modules; HiDream's example leaves the MoE out).
     ignored = settings.get("lora_ignore") or []
-    targets = [name for name in targets if not any(word in name for word in ignored)]
-    config = LoraConfig(r=settings["rank"], lora_alpha=settings["alpha"], target_modules=targets,
+    targets, conv_targets = ([name for name in names if not any(word in name for word in ignored)]
+                             for names in (targets, conv_targets))
+    # The convolutions network.conv asks for take its rank and alpha (peft: a pattern per layer name).
+    at_conv = {f"^{re.escape(name)}$": None for name in conv_targets}
+    config = LoraConfig(r=settings["rank"], lora_alpha=settings["alpha"], target_modules=targets + conv_targets,
+                        rank_pattern=dict.fromkeys(at_conv, conv_rank),
+                        alpha_pattern=dict.fromkeys(at_conv, settings.get("conv_alpha")),
                         init_lora_weights="gaussian")
     with pipe.meter.host():
         if getattr(pipe.meter, "fake", False):

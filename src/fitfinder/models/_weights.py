@@ -466,8 +466,22 @@ def _unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 
 
 # -- LoRA -----------------------------------------------------------------------------------------
-def lora_targets(module: torch.nn.Module, pattern: str) -> list[str]:
-    """Full names of the Linear layers (plain or quantized) the family's LoRA trains."""
+def lora_targets(module: torch.nn.Module, pattern: str, convs: bool = False,
+                 conv_rank: int | None = None) -> tuple[list[str], list[str]]:
+    """Full names of the layers the family's LoRA trains at its rank, and of those it trains at
+    `conv_rank`: Linear layers (plain or quantized); with `convs`, also 1x1 Conv2d layers at the
+    rank, and the other Conv2d layers at `conv_rank` when it is set (toolkit/lora_special.py,
+    LoRASpecialNetwork.create_modules: is_conv2d_1x1 takes lora_dim, a larger kernel conv_lora_dim)."""
     compiled = re.compile(pattern)
-    return [name for name, child in module.named_modules()
-            if isinstance(child, torch.nn.Linear) and compiled.fullmatch(name)]
+    at_rank, at_conv_rank = [], []
+    for name, child in module.named_modules():
+        if not compiled.fullmatch(name):
+            continue
+        if isinstance(child, torch.nn.Linear):
+            at_rank.append(name)
+        elif convs and isinstance(child, torch.nn.Conv2d):
+            if child.kernel_size == (1, 1):
+                at_rank.append(name)
+            elif conv_rank:
+                at_conv_rank.append(name)
+    return at_rank, at_conv_rank

@@ -14,8 +14,9 @@ from fitfinder.models._family import Family
 # LoRA targets: toolkit/lora_special.py (LoRASpecialNetwork.create_modules) wraps the whole
 # UNet2DConditionModel (UNET_TARGET_REPLACE_MODULE) and, with transformer_only, skips nothing in a
 # UNet (it has no transformer_blocks/blocks): every Linear layer trains -- attentions, feed-forwards,
-# the resnets' time projections, the time embedding. Its 1x1 convolutions (proj_in/proj_out,
-# conv_shortcut) also get a LoRA there; fitfinder's LoRA covers Linear layers only (docs/models.md).
+# the resnets' time projections, the time embedding -- and every 1x1 convolution (proj_in/proj_out,
+# conv_shortcut) at the LoRA's rank, the 3x3 ones at `network.conv`'s when the job sets it
+# (is_conv2d_1x1, conv_lora_dim: Family.lora_convs).
 # The loader has no quantize call: neither the UNet nor CLIP is quantized (the UI hides
 # model.quantize for SD 1.5).
 FAMILY = Family(
@@ -25,6 +26,7 @@ FAMILY = Family(
     classes={"unet": "diffusers.UNet2DConditionModel", "text_encoder": "transformers.CLIPTextModel",
              "vae": "diffusers.AutoencoderKL"},
     lora_blocks=r".*",
+    lora_convs=True,
     arch_values=("sd15", "sd1"),
     name_hints=("sd15", "sdv15", "stablediffusionv15", "stablediffusion15"),
     quantized_denoisers=False,

@@ -9,10 +9,10 @@ from __future__ import annotations
 from fitfinder.models._common import KLImageLatents
 from fitfinder.models._family import Family
 
-# LoRA targets: every Linear layer of the UNet, as SD 1.5's (models/sd15.py says why: toolkit/
-# lora_special.py wraps the whole UNet2DConditionModel and skips nothing in it), its 1x1 convolutions
-# left out as there. load_model's SDXL branch has no quantize call: the UNet is never quantized, nor
-# either CLIP.
+# LoRA targets: every Linear and 1x1 convolution of the UNet, and its larger convolutions at
+# `network.conv`'s rank, as SD 1.5's (models/sd15.py says why: toolkit/lora_special.py wraps the whole
+# UNet2DConditionModel and skips nothing in it). load_model's SDXL branch has no quantize call: the
+# UNet is never quantized, nor either CLIP.
 FAMILY = Family(
     name="sdxl",
     denoisers=("unet",),
@@ -20,6 +20,7 @@ FAMILY = Family(
     classes={"unet": "diffusers.UNet2DConditionModel", "text_encoder": "transformers.CLIPTextModel",
              "text_encoder_2": "transformers.CLIPTextModelWithProjection", "vae": "diffusers.AutoencoderKL"},
     lora_blocks=r".*",
+    lora_convs=True,
     arch_values=("sdxl",),
     flags=("is_xl",),
     name_hints=("xl",),

@@ -58,6 +58,8 @@ class ProbeRequest(TypedDict):
     only_if_contains: NotRequired[list[str]]
     ignore_if_contains: NotRequired[list[str]]
     lora_ignore: NotRequired[list[str]]  # a LoRA's network_kwargs.ignore_if_contains: layers it leaves out
+    conv_rank: NotRequired[Optional[int]]  # network.conv: the rank of the LoRA on larger convolutions (UNets)
+    conv_alpha: NotRequired[Optional[float]]
     optimizer: str
     optimizer_params: dict[str, Any]
     ema_decay: Optional[float]  # None without EMA

@@ -88,9 +88,13 @@ def _trained_weights(job) -> dict[str, Any]:
         return {"rank": None, "alpha": None,
                 "only_if_contains": list(job.get("model.only_if_contains", None) or []),
                 "ignore_if_contains": list(job.get("model.ignore_if_contains", None) or [])}
+    conv = job.get("network.conv", None)
     return {"rank": job.lora_rank, "alpha": job.lora_alpha,
             # AI Toolkit's LoRA leaves out the layers whose names hold one of these (lora_special.py)
-            "lora_ignore": [str(word) for word in job.get("network.network_kwargs.ignore_if_contains", None) or []]}
+            "lora_ignore": [str(word) for word in job.get("network.network_kwargs.ignore_if_contains", None) or []],
+            # NetworkConfig: `conv` (None: no LoRA on the larger convolutions), `conv_alpha` defaulting to it
+            "conv_rank": int(conv) if conv else None,
+            "conv_alpha": float(job.get("network.conv_alpha", None) or conv) if conv else None}
 
 
 def _ema_decay(job) -> float | None:
