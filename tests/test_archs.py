@@ -204,7 +204,7 @@ PUBLISHED = {
     "flux2-klein-9b/transformer": "9B", "flux2-klein-9b/text_encoder": "8.19B", "zimage-turbo/transformer": "6B",
     "wan21-14b/transformer": "14B", "wan21-14b/text_encoder": "5.68B", "wan21-i2v-14b/image_encoder": "632M",
     "wan22-i2v-14b/transformer": "14B", "wan22-ti2v-5b/transformer": "5B", "ltx2/transformer": "19B",
-    "ltx2/text_encoder": "12.2B",
+    "ltx2/text_encoder": "12.2B", "sd15/unet": "860M", "sd15/text_encoder": "123M",
 }
 
 
