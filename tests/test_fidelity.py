@@ -531,12 +531,12 @@ def test_wan21_i2v_with_low_vram_sends_umt5_and_the_image_encoder_back_until_use
 
 
 def test_families_whose_loader_never_reads_low_vram_have_no_low_vram_knob():
-    """SDXL, Lumina 2, Chroma, Kontext, Flex.2 (never read it) and Z-Image (the same placement either
+    """SD 1.5, SDXL, Lumina 2, Chroma, Kontext, Flex.2 (never read it) and Z-Image (the same placement either
     way): low_vram moves no peak, so the search has no such knob for them. Qwen-Image places its parts
     the same either way too, but its previews tile the decode under low_vram (generate_single_image)."""
     from fitfinder import space as spaces
 
-    for family in ("sdxl", "lumina2", "chroma", "flux_kontext", "flex2", "zimage"):
+    for family in ("sd15", "sdxl", "lumina2", "chroma", "flux_kontext", "flex2", "zimage"):
         assert models.FAMILIES[family].low_vram_moves == frozenset(), family
         assert "low_vram" not in spaces.build(tiny_job(family)).by_name, family
     assert spaces.build(tiny_job("flux")).by_name["low_vram"].phases == {"load"}
