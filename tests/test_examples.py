@@ -32,6 +32,7 @@ SUPPORTED = {
     "ui_flux2": "flux2-dev", "ui_flux2_klein_4b": "flux2-klein-4b", "ui_flux2_klein_9b": "flux2-klein-9b",
     "train_lora_qwen_image_24gb": "qwen-image", "train_lora_qwen_image_edit_32gb": "qwen-image-edit",
     "train_lora_qwen_image_edit_2509_32gb": "qwen-image-edit-2509",
+    "ui_anima": "anima",
 }
 # Known to fitfinder, with an architecture config, but no family module yet: what the CLI says.
 NOT_YET = {
