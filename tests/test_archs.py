@@ -97,6 +97,10 @@ FULL_SIZE = sorted(stem for stem in models.known_archs() if not stem.endswith("-
 
 # Parameters of every part of every full-size arch, as the meta builds count them (docs/models.md).
 COUNTED = {
+    "anima/transformer": 1_956_405_248,
+    "anima/text_encoder": 596_049_920,
+    "anima/vae": 126_892_531,
+    "anima/text_conditioner": 134_663_680,
     "chroma/transformer": 8_899_983_424,
     "chroma/text_encoder": 4_762_310_656,
     "chroma/vae": 83_819_683,
@@ -205,6 +209,7 @@ PUBLISHED = {
     "wan21-14b/transformer": "14B", "wan21-14b/text_encoder": "5.68B", "wan21-i2v-14b/image_encoder": "632M",
     "wan22-i2v-14b/transformer": "14B", "wan22-ti2v-5b/transformer": "5B", "ltx2/transformer": "19B",
     "ltx2/text_encoder": "12.2B", "sd15/unet": "860M", "sd15/text_encoder": "123M",
+    "anima/transformer": "2B", "anima/text_encoder": "0.6B",
 }
 
 

@@ -33,6 +33,7 @@ SUPPORTED = {
     "train_lora_qwen_image_24gb": "qwen-image", "train_lora_qwen_image_edit_32gb": "qwen-image-edit",
     "train_lora_qwen_image_edit_2509_32gb": "qwen-image-edit-2509",
     "ui_sd15": "sd15",
+    "ui_anima": "anima",
 }
 # Known to fitfinder, with an architecture config, but no family module yet: what the CLI says.
 NOT_YET = {

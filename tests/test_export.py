@@ -179,8 +179,8 @@ def test_a_family_musubi_tuner_does_not_train_is_refused_in_one_line(tmp_path):
 
 def test_a_family_fitfinder_does_not_know_never_reaches_the_export(tmp_path):
     with pytest.raises(UserError) as caught:
-        jobconfig.loads(FLUX_JOB.replace("is_flux: true", "arch: anima"), "job.yaml")
-    assert "model.arch: fitfinder does not support the model 'anima'; it supports: " in str(caught.value)
+        jobconfig.loads(FLUX_JOB.replace("is_flux: true", "arch: not_a_model"), "job.yaml")
+    assert "model.arch: fitfinder does not support the model 'not_a_model'; it supports: " in str(caught.value)
 
 
 def test_export_bad_input_is_one_line(tmp_path):

@@ -164,8 +164,8 @@ key("optimizer_sgd", edit('optimizer: "adamw"', "optimizer: sgd"), "train.optimi
 key("quantize_text", edit("is_flux: true", 'is_flux: true\n        quantize: "true"'), "model.quantize",
     "true or false")
 key("qtype_int3", edit("is_flux: true", "is_flux: true\n        qtype: int3"), "model.qtype", "one of qfloat8")
-job("arch_unknown_model", edit("is_flux: true", "arch: anima"),
-    "config.process[0].model.arch: fitfinder does not support the model 'anima'; it supports: ")
+job("arch_unknown_model", edit("is_flux: true", "arch: not_a_model"),
+    "config.process[0].model.arch: fitfinder does not support the model 'not_a_model'; it supports: ")
 key("model_name_number", edit('name_or_path: "fitfinder/flux-tiny"', "name_or_path: 5"), "model.name_or_path",
     "a text")
 key("offload_half", edit("is_flux: true", 'is_flux: true\n        layer_offloading: true\n'

@@ -141,9 +141,9 @@ def test_an_unknown_arch_is_reported_by_the_job_file_without_a_relabelling_hint(
     from fitfinder.errors import ConfigError
 
     with pytest.raises(ConfigError) as raised:
-        jobconfig.loads(tiny_job("flux", {"model.arch": "anima"}).dumps())
-    assert raised.value.problems == ["config.process[0].model.arch: fitfinder does not support the model 'anima'; "
-                                     + supports_line()]
+        jobconfig.loads(tiny_job("flux", {"model.arch": "not_a_model"}).dumps())
+    assert raised.value.problems == ["config.process[0].model.arch: fitfinder does not support the model "
+                                     "'not_a_model'; " + supports_line()]
 
 
 def test_the_wan22_reference_job_resolves_to_its_family_and_arch():
@@ -206,3 +206,24 @@ def test_reading_archs_and_building_a_request_needs_no_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), timeout=60)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == ["flux", False]
+
+
+def test_a_lora_on_animas_text_conditioner_is_refused_not_estimated_short():
+    family = models.FAMILIES["anima"]
+    assert family.trained_denoisers(tiny_job("anima")) == ["transformer"]
+    with pytest.raises(UserError) as raised:
+        family.trained_denoisers(tiny_job("anima", {"model.model_kwargs": {"train_text_conditioner": True}}))
+    assert "model_kwargs.train_text_conditioner" in str(raised.value)
+
+
+def test_a_blank_qtype_as_the_ui_writes_for_anima_is_accepted_only_while_unused():
+    from fitfinder import jobconfig
+    from fitfinder.errors import ConfigError
+
+    blank = {"model.quantize": False, "model.quantize_te": False, "model.qtype": "", "model.qtype_te": ""}
+    job = jobconfig.loads(tiny_job("anima", blank).dumps())
+    assert (job.quantize, job.quantize_te) == (False, False)
+    with pytest.raises(ConfigError) as raised:
+        jobconfig.loads(tiny_job("anima", {**blank, "model.quantize_te": True}).dumps())
+    assert [problem.split(":")[0] for problem in raised.value.problems] == [
+        "config.process[0].model.qtype", "config.process[0].model.qtype_te"]

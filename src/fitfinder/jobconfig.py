@@ -535,8 +535,12 @@ def _value_problems(job: JobFile) -> list[str]:
     for key in ("model.only_if_contains", "model.ignore_if_contains"):
         check(key, lambda v: isinstance(v, list) and all(isinstance(t, str) and t for t in v),
               "a list of parameter name parts")
+    # AI Toolkit's UI blanks both qtypes for Anima (ui/src/app/jobs/new/options.tsx, 'anima'); ModelConfig
+    # keeps '' and get_qtype (toolkit/util/quantize.py) reads a qtype only to quantize with it.
+    unused = {"model.qtype": not job.quantize and not job.quantize_te, "model.qtype_te": not job.quantize_te}
     for key in ("model.qtype", "model.qtype_te"):
-        check(key, _qtype_ok, f"one of {', '.join(QTYPE_BITS)} (optionally followed by |adapter)")
+        if not (unused[key] and job.has(key) and job.get(key) == ""):
+            check(key, _qtype_ok, f"one of {', '.join(QTYPE_BITS)} (optionally followed by |adapter)")
     from fitfinder.models import arch_problem  # no torch there
 
     arch = job.get("model.arch", None)

@@ -134,6 +134,8 @@ class Family:
     index_defaults: dict = field(default_factory=dict)
     # Denoiser -> `model.model_kwargs` key that turns its training off (Wan 2.2's two experts).
     expert_switches: dict = field(default_factory=dict)
+    # Parts beyond the denoisers that `model.quantize` quantizes with `model.qtype` (Anima's text conditioner).
+    quantized_with_denoisers: tuple[str, ...] = ()
     # The text encoders of `quantized_text_encoders` follow `model.quantize` instead of `model.quantize_te`
     # (SD3: AI Toolkit's is_v3 loader quantizes T5 whenever it quantizes the transformer).
     te_quantized_with_denoiser: bool = False

@@ -25,16 +25,16 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
     spec = spec or models.model_spec(job)
     family = models.FAMILIES[spec["family"]]
     qtype = job.qtype
-    bits = jobconfig.qtype_bits(qtype)[0]
+    bits = jobconfig.qtype_bits(qtype)[0] if job.quantize else None  # a blank qtype is unused (jobconfig)
     # Which key gives the text encoders' qtype is the family's (models.Family.te_qtype_key): Flux
     # and Wan quantize T5/UMT5 with model.qtype, Qwen-Image and Z-Image read qtype_te.
     qtype_te = job.qtype_te if family.te_qtype_key == "qtype_te" else qtype
-    bits_te = jobconfig.qtype_bits(qtype_te)[0]
+    bits_te = jobconfig.qtype_bits(qtype_te)[0] if job.quantize_te else None
     return {
         "model": spec,
         "dtype": jobconfig.DTYPES[str(job.get("train.dtype")).lower()],
-        "quantize": bits if job.quantize else None, "quant_type": qtype,
-        "quantize_te": bits_te if job.quantize_te else None, "quant_type_te": qtype_te,
+        "quantize": bits, "quant_type": qtype,
+        "quantize_te": bits_te, "quant_type_te": qtype_te,
         "low_vram": bool(job.get("model.low_vram")),
         "tiled_preview_decode": family.tiles_preview_decode(job),
         "layer_offloading": layer_offloading(job, family),
