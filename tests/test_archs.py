@@ -139,6 +139,13 @@ COUNTED = {
     "hidream-i1-full/text_encoder_3": 4_762_310_656,
     "hidream-i1-full/text_encoder_4": 8_030_261_248,
     "hidream-i1-full/vae": 83_819_683,
+    # HiDream E1-1: I1 Full's configs (its archs/*.json says why), so I1 Full's counts.
+    "hidream-e1-1/transformer": 17_105_733_184,
+    "hidream-e1-1/text_encoder": 123_650_304,
+    "hidream-e1-1/text_encoder_2": 694_659_840,
+    "hidream-e1-1/text_encoder_3": 4_762_310_656,
+    "hidream-e1-1/text_encoder_4": 8_030_261_248,
+    "hidream-e1-1/vae": 83_819_683,
     "ltx2/transformer": 18_876_174_592,
     "ltx2/connectors": 1_431_475_200,
     "ltx2/text_encoder": 12_187_325_040,

@@ -11,7 +11,7 @@ AITK_COMMIT = "27a03a91f23eb1b757d5ec2e80ee3e129cfcc350"
 
 # Every training example of AI Toolkit's config/examples/ at that commit (train_slider.example.yml
 # trains an SD 1.5 slider without a dataset, and extract, generate and mod_lora_scale train nothing),
-# and one job per arch of its UI that has no example (video, Z-Image, FLUX.2): the shipped
+# and one job per arch of its UI that has no example (video, Z-Image, FLUX.2, HiDream E1): the shipped
 # architecture each resolves to.
 SUPPORTED = {
     "train_lora_flux_24gb": "flux-dev", "modal_train_lora_flux_24gb": "flux-dev",
@@ -28,7 +28,7 @@ SUPPORTED = {
     "train_lora_lumina": "lumina2", "train_full_fine_tune_lumina": "lumina2",
     "ui_zimage_turbo": "zimage-turbo",
     "ui_ltx2": "ltx2",
-    "train_lora_hidream_48": "hidream-i1-full",
+    "train_lora_hidream_48": "hidream-i1-full", "ui_hidream_e1": "hidream-e1-1",
     "ui_flux2": "flux2-dev", "ui_flux2_klein_4b": "flux2-klein-4b", "ui_flux2_klein_9b": "flux2-klein-9b",
     "train_lora_qwen_image_24gb": "qwen-image", "train_lora_qwen_image_edit_32gb": "qwen-image-edit",
     "train_lora_qwen_image_edit_2509_32gb": "qwen-image-edit-2509",

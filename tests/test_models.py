@@ -110,6 +110,15 @@ def test_hidream_resolves_by_arch_shipped_name_and_name_hint(model):
     assert models.family_of(job) == "hidream"
 
 
+@pytest.mark.parametrize("model", [{"arch": "hidream_e1"}, {"name_or_path": "HiDream-ai/HiDream-E1-1"},
+                                   {"name_or_path": "HiDream-ai/HiDream-E1-Full"},
+                                   {"name_or_path": "/models/my-hidream-e1-finetune"}])
+def test_hidream_e1_resolves_by_arch_shipped_name_and_name_hint_not_as_hidream_i1(model):
+    job = tiny_job("flux")
+    job.process["model"] = model
+    assert models.family_of(job) == "hidream_e1"
+
+
 @pytest.mark.parametrize("model, family", [
     ({"arch": "flux2"}, "flux2"), ({"name_or_path": "black-forest-labs/FLUX.2-dev"}, "flux2"),
     ({"name_or_path": "/models/my-flux2-finetune"}, "flux2"),
