@@ -34,6 +34,8 @@ def estimate(path: Path, vram: str) -> dict:
         return {"job": path.stem, "refused": done.stderr.strip().splitlines()[-1], "seconds": seconds}
     if done.returncode not in (0, 1):  # 1: the job does not fit, still an answer
         raise SystemExit(f"{path.name}: exit {done.returncode}\n{done.stderr[-2000:]}")
+    if done.returncode == 1 and not done.stdout.strip():  # 1 without an answer: the estimate itself failed
+        return {"job": path.stem, "failed": done.stderr.strip().splitlines()[-1], "seconds": seconds}
     answer = json.loads(done.stdout)
     return {"job": path.stem, "fits": answer["fits"], "fits_with_margin": answer["fits_with_margin"],
             "peak_bytes": answer["peak_bytes"], "limit_bytes": answer["limit_bytes"],
@@ -41,8 +43,8 @@ def estimate(path: Path, vram: str) -> dict:
 
 
 def row(result: dict) -> str:
-    if "refused" in result:
-        return f"| `{result['job']}` | refused | | | | | | |"
+    if "refused" in result or "failed" in result:
+        return f"| `{result['job']}` | {'refused' if 'refused' in result else 'failed'} | | | | | | |"
     phases = result["phases"]
     peak = max(phases, key=lambda phase: phases[phase] or 0)
     cells = [f"{phases[p] / GIB:.2f}" if phases.get(p) else "-" for p in PHASES]
