@@ -28,6 +28,7 @@ SUPPORTED = {
     "train_lora_lumina": "lumina2", "train_full_fine_tune_lumina": "lumina2",
     "ui_zimage_turbo": "zimage-turbo",
     "ui_ltx2": "ltx2",
+    "ui_nucleus_image": "nucleus-image",
     "train_lora_hidream_48": "hidream-i1-full",
     "ui_flux2": "flux2-dev", "ui_flux2_klein_4b": "flux2-klein-4b", "ui_flux2_klein_9b": "flux2-klein-9b",
     "train_lora_qwen_image_24gb": "qwen-image", "train_lora_qwen_image_edit_32gb": "qwen-image-edit",
