@@ -124,8 +124,7 @@ class Recipe(QwenImageRecipe):
         prediction = call(cond)
         if guidance_scale > 1:
             negative = call(uncond)
-            combined = negative + guidance_scale * (prediction - negative)
-            del negative
+            combined = negative + guidance_scale * (prediction - negative)  # negative lives on, as in the loop
             conditional_norm = torch.norm(prediction, dim=-1, keepdim=True)
             prediction = combined * (conditional_norm / torch.norm(combined, dim=-1, keepdim=True))
         return self._unpack(-prediction, batch, channels, rows, cols)
