@@ -155,6 +155,9 @@ COUNTED = {
     "lumina2/transformer": 2_609_769_152,
     "lumina2/text_encoder": 2_614_341_888,
     "lumina2/vae": 83_819_683,
+    "nucleus-image/transformer": 16_922_679_296,
+    "nucleus-image/text_encoder": 8_767_123_696,
+    "nucleus-image/vae": 126_892_531,
     "qwen-image-edit-2509/transformer": 20_430_401_088,
     "qwen-image-edit-2509/text_encoder": 8_292_166_656,
     "qwen-image-edit-2509/vae": 126_892_531,
@@ -216,7 +219,7 @@ PUBLISHED = {
     "wan21-14b/transformer": "14B", "wan21-14b/text_encoder": "5.68B", "wan21-i2v-14b/image_encoder": "632M",
     "wan22-i2v-14b/transformer": "14B", "wan22-ti2v-5b/transformer": "5B", "ltx2/transformer": "19B",
     "ltx2/text_encoder": "12.2B", "sd15/unet": "860M", "sd15/text_encoder": "123M",
-    "anima/transformer": "2B", "anima/text_encoder": "0.6B",
+    "anima/transformer": "2B", "anima/text_encoder": "0.6B", "nucleus-image/transformer": "17B",
 }
 
 

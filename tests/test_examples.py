@@ -29,6 +29,7 @@ SUPPORTED = {
     "ui_zimage_turbo": "zimage-turbo",
     "ui_ltx2": "ltx2",
     "train_lora_hidream_48": "hidream-i1-full", "ui_hidream_e1": "hidream-e1-1",
+    "ui_nucleus_image": "nucleus-image",
     "ui_flux2": "flux2-dev", "ui_flux2_klein_4b": "flux2-klein-4b", "ui_flux2_klein_9b": "flux2-klein-9b",
     "train_lora_qwen_image_24gb": "qwen-image", "train_lora_qwen_image_edit_32gb": "qwen-image-edit",
     "train_lora_qwen_image_edit_2509_32gb": "qwen-image-edit-2509",

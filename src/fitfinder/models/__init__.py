@@ -64,7 +64,7 @@ _TO_COME_ARCH_VALUES = {
     **{arch: arch for arch in (
         "ace_step_15", "ace_step_15_xl", "boogu_image", "boogu_image_edit", "chroma_radiance", "ernie_image",
         "f-lite", "hidream_o1", "ideogram4", "krea2", "mageflow", "mageflow_edit", "minimax_h3",
-        "minimax_h3_ref2va", "nucleus_image", "prx_pixel", "zeta_chroma", "zimage_l2p",
+        "minimax_h3_ref2va", "prx_pixel", "zeta_chroma", "zimage_l2p",
         "sd2", "pixart", "pixart_sigma", "auraflow", "vega", "ssd")},
 }
 # AI Toolkit's ModelConfig flags of those older models (is_v3, is_lumina2, is_xl and is_flux name
