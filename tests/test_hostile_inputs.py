@@ -122,6 +122,10 @@ key("rank_fraction", edit("linear: 32", "linear: 1.5"), "network.linear", "a pos
 key("rank_bool", edit("linear: 32", "linear: true"), "network.linear", "a positive integer")
 key("alpha_nan", edit("linear_alpha: 32", "linear_alpha: .nan"), "network.linear_alpha", "a number above 0")
 key("alpha_inf", edit("linear_alpha: 32", "linear_alpha: .inf"), "network.linear_alpha", "a number above 0")
+key("conv_rank_text", edit("linear_alpha: 32", "linear_alpha: 32\n        conv: abc"), "network.conv",
+    "null or an integer from 0 to 4096")
+key("conv_alpha_negative", edit("linear_alpha: 32", "linear_alpha: 32\n        conv: 16\n        conv_alpha: -1"),
+    "network.conv_alpha", "a number above 0")
 key("alpha_negative", edit("linear_alpha: 32", "linear_alpha: -1"), "network.linear_alpha", "a number above 0")
 key("resolution_text", edit("resolution: [ 256, 384, 512 ]", "resolution: [ 256, big, 512 ]"),
     "datasets[0].resolution", "a positive integer or a non-empty list")

@@ -470,7 +470,7 @@ _INTEGERS = {
 }
 _DATASET_INTEGERS = {"num_frames": FRAMES, "bucket_tolerance": (1, 4096), "num_repeats": (1, 1_000_000)}
 _NUMBERS = {  # (low, high, low excluded)
-    "network.linear_alpha": (0, 1e6, True), "network.alpha": (0, 1e6, True),
+    "network.linear_alpha": (0, 1e6, True), "network.alpha": (0, 1e6, True), "network.conv_alpha": (0, 1e6, True),
     "sample.guidance_scale": (0, 100, False), "train.lr": (0, 10, True),
     "model.layer_offloading_transformer_percent": (0, 1, False),
     "model.layer_offloading_text_encoder_percent": (0, 1, False),
@@ -509,6 +509,8 @@ def _value_problems(job: JobFile) -> list[str]:
         problems.append(f"{p}network.linear: missing; set the LoRA rank, or leave `network` out for a full fine-tune")
     for path, (low, high) in _INTEGERS.items():
         check(path, lambda v, low=low, high=high: int_in(v, low, high), _integers(low, high))
+    # NetworkConfig's `conv`: None or 0 is no LoRA on the larger convolutions (lora_special.py skips dim 0)
+    check("network.conv", lambda v: v is None or int_in(v, 0, RANKS[1]), f"null or {_integers(0, RANKS[1])}")
     for path, (low, high, open_low) in _NUMBERS.items():
         check(path, lambda v, low=low, high=high, open_low=open_low: _number_in(v, low, high, open_low),
               f"a number {'above' if open_low else 'from'} {low} {'and at most' if open_low else 'to'} {high}")
