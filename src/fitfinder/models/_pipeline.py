@@ -156,7 +156,7 @@ def _add_lora(pipe: Pipeline, name: str, settings: dict) -> None:
     targets, conv_targets = ([name for name in names if not any(word in name for word in ignored)]
                              for names in (targets, conv_targets))
     # The convolutions network.conv asks for take its rank and alpha (peft: a pattern per layer name).
-    at_conv = {f"^{re.escape(name)}$": None for name in conv_targets}
+    at_conv = [f"^{re.escape(name)}$" for name in conv_targets]
     config = LoraConfig(r=settings["rank"], lora_alpha=settings["alpha"], target_modules=targets + conv_targets,
                         rank_pattern=dict.fromkeys(at_conv, conv_rank),
                         alpha_pattern=dict.fromkeys(at_conv, settings.get("conv_alpha")),

@@ -123,20 +123,17 @@ class Recipe(QwenImageRecipe):
         """AnimaModel.get_noise_prediction: one frame of latents, the noise level as the timestep, the
         conditioned prompt, and a zero padding mask of 16x the latent size (the transformer resizes it to
         the latents and concatenates it as a channel); no guidance embedding."""
-        embeds = self._conditioned(cond, latents.shape[0])
-        height, width = latents.shape[-2:]
-        padding_mask = latents.new_zeros(1, 1, height * 16, width * 16, dtype=self.inputs.dtype)
-        out = denoiser(hidden_states=latents.unsqueeze(2).to(self.inputs.dtype), timestep=t.to(self.inputs.dtype),
-                       encoder_hidden_states=embeds, padding_mask=padding_mask, return_dict=False)[0]
-        del embeds
-        return out.squeeze(2)
+        return self._call(denoiser, latents, t, cond, mask_scale=16)
 
     def _preview_call(self, denoiser, latents, t, cond):
         """AnimaLoopDenoiser: the padding mask at the image's pixel size (AnimaPrepareLatentsStep)."""
+        return self._call(denoiser, latents, t, cond, mask_scale=self.scale_factor)
+
+    def _call(self, denoiser, latents, t, cond, mask_scale: int):
+        """One transformer call on one frame, with a zero padding mask `mask_scale` times the latents' size."""
         embeds = self._conditioned(cond, latents.shape[0])
         height, width = latents.shape[-2:]
-        padding_mask = latents.new_zeros(1, 1, height * self.scale_factor, width * self.scale_factor,
-                                         dtype=self.inputs.dtype)
+        padding_mask = latents.new_zeros(1, 1, height * mask_scale, width * mask_scale, dtype=self.inputs.dtype)
         out = denoiser(hidden_states=latents.unsqueeze(2).to(self.inputs.dtype), timestep=t.to(self.inputs.dtype),
                        encoder_hidden_states=embeds, padding_mask=padding_mask, return_dict=False)[0]
         del embeds

@@ -11,6 +11,7 @@ AI Toolkit: extensions_built_in/diffusion_models/nucleus_image/nucleus_image_mod
 from __future__ import annotations
 
 from fitfinder.models._family import Family, Placement
+from fitfinder.models.qwen_image import LORA_BLOCKS
 from fitfinder.models.qwen_image import Recipe as QwenImageRecipe
 
 CLASSES = {"transformer": "diffusers.NucleusMoEImageTransformer2DModel",
@@ -20,8 +21,7 @@ CLASSES = {"transformer": "diffusers.NucleusMoEImageTransformer2DModel",
 # get_transformer_block_names ["transformer_blocks"]; with transformer_only (NetworkConfig's default)
 # toolkit/lora_special.py keeps the Linear layers inside transformer_blocks. The routed experts are
 # SwiGLUExperts parameters, not Linear layers: no LoRA; the router (`img_mlp.gate`) and the shared
-# expert are Linear (the UI's job leaves the router out with ignore_if_contains).
-LORA_BLOCKS = r"transformer_blocks\.\d+\..*"
+# expert are Linear (the UI's job leaves the router out with ignore_if_contains). Qwen-Image's LORA_BLOCKS.
 # NucleusImageModel.load_model: the transformer is read into host memory and, with model.quantize,
 # quantized by quantize_model (toolkit/util/quantize.py: block by block on the device and back to the
 # CPU; optimum-quanto swaps Linear layers only, so the experts' parameters stay in bf16); low_vram

@@ -38,9 +38,7 @@ FAMILY = Family(
 class Recipe(sdxl.Recipe):
     """What SD 1.5 computes: SDXL's DDPM noising and doubled-batch guidance, its own conditioning."""
 
-    def __init__(self, arch: dict, inputs):
-        super().__init__(arch, inputs)
-        self.read_autoencoder_kl(arch["parts"]["vae"], scaling=0.18215, shift=None)
+    vae_scaling = 0.18215
 
     def encode_prompts(self, parts, batch) -> dict:
         # toolkit/train_tools.py text_encode: the encoder's output [0], its last hidden state.

@@ -33,11 +33,13 @@ FAMILY = Family(
 class Recipe(KLImageLatents):
     """What SDXL computes; built by probe children (its methods import torch)."""
 
+    vae_scaling = 0.13025  # the VAE's scaling_factor where its config names none
+
     def __init__(self, arch: dict, inputs):
         import torch
 
         self.inputs = inputs
-        self.read_autoencoder_kl(arch["parts"]["vae"], scaling=0.13025, shift=None)
+        self.read_autoencoder_kl(arch["parts"]["vae"], scaling=self.vae_scaling, shift=None)
         self.divisor = self.scale_factor * 2 ** (len(arch["parts"]["unet"]["block_out_channels"]) - 1)
         # The DDPM schedule SDXL was trained with: scaled-linear betas 0.00085..0.012 over 1000 steps.
         betas = torch.linspace(0.00085 ** 0.5, 0.012 ** 0.5, 1000, dtype=torch.float64) ** 2
