@@ -277,6 +277,27 @@ def test_searching_the_search_s_own_best_yaml_is_refused_before_it_runs(clean):
     assert best.read_text() == before
 
 
+@pytest.mark.parametrize("change, named", [
+    # issue 35's reproduction: the same config.name, another model; it ran 0 probes and wrote Flux's winner
+    (lambda text: text.replace('"fitfinder/flux-tiny"', '"fitfinder/sdxl-tiny"').replace("is_flux: true", ""),
+     "model.arch_name (flux-tiny -> sdxl-tiny)"),
+    (lambda text: text.replace("dtype: fp32", "dtype: bf16"), "dtype (fp32 -> bf16)"),  # a setting no knob sets
+])
+def test_a_study_never_answers_for_another_job_under_the_same_name(tmp_path, clean, change, named):
+    folder = tmp_path / "other"
+    shutil.copytree(clean["folder"], folder)
+    job = folder / "configs" / "demo.yaml"
+    job.write_text(change(job.read_text()))
+    best = folder / "results" / NAME / "best.yaml"
+    before, trials = best.read_text(), len(_study(folder).trials)
+    result = run_cli("search", "configs/demo.yaml", *QUICK, cwd=folder)
+    assert_one_clean_line(result, f"study {NAME!r}")
+    assert named in result.stderr and "--study with a new name" in result.stderr
+    assert best.read_text() == before and len(_study(folder).trials) == trials  # nothing probed or written
+    report = run_cli("report", NAME, cwd=folder)  # the report refuses the changed job too
+    assert_one_clean_line(report, named)
+
+
 def test_a_study_with_half_written_trials_is_still_read_reported_and_resumed(tmp_path, clean):
     """What older versions or a kill mid-write could leave: a RUNNING trial with one parameter of
     four and no owner, a failed trial that still says "ok", a finished one with no status."""

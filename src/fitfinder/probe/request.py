@@ -5,8 +5,11 @@ See protocol.py for every field.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 from fitfinder import jobconfig, models
@@ -62,6 +65,24 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
         "seed": 0,
         **({"fault": fault} if fault else {}),
     }
+
+
+# How a probe is run, not what it trains: the same job on another card, meter or machine puts the
+# same tensors in each phase (a study compares everything else, search.study.job_signature).
+RUN_FIELDS = ("steps", "meter", "budget_bytes", "gpu", "seed", "fault", "overhead", "prime_optimizer")
+
+
+@functools.cache
+def recipe_digest() -> str:
+    """A digest of the code and data that decide what a probe holds (probe/, models/, the
+    architectures, the optimizers): a study made by another recipe may not answer for this one."""
+    root = Path(__file__).resolve().parent.parent
+    files = sorted([*root.glob("probe/*.py"), *root.glob("models/*.py"), *root.glob("archs/*.json"),
+                    root / "optimizers.py"])
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
 
 
 def layer_offloading(job, family) -> dict[str, float]:

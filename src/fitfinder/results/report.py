@@ -144,9 +144,10 @@ def open_study(name: str, studies_dir: Path, storage: str | None, job_path: Path
         raise UserError(f"study {name!r} was made from {attrs.get('job_file')!r}, which is not here; "
                         "run from the folder the search ran in, or give --job PATH")
     space = spaces.build(jobconfig.load(job_path))
-    if studies.space_signature(space) != attrs.get("space"):
-        raise UserError(f"{job_path} no longer gives the space study {name!r} searched; give the job file "
-                        "it was made from with --job PATH")
+    changed = studies.signature_changes(attrs, studies.space_signature(space), studies.job_signature(space))
+    if changed:
+        raise UserError(f"{job_path} is no longer the job study {name!r} searched ({'; '.join(changed[:3])} "
+                        "changed); give the job file it was made from with --job PATH")
     budget, margin = attrs.get("budget_bytes"), float(attrs.get("margin", 0.0))
     limit = int(budget * (1 - margin)) if budget else None
     known = studies.load_knowledge(study, space, limit)

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from fitfinder.errors import UserError
-from fitfinder.probe import faults
+from fitfinder.probe import faults, request as requests
 from fitfinder.probe.protocol import ProbeResult, Purpose
 from fitfinder.search.planner import Knowledge, Result
 from fitfinder.space import Point, Space
@@ -124,8 +124,8 @@ def storage(url: str):
 
 
 def open_study(url: str, name: str, space: Space, setup: dict[str, Any], sampler=None):
-    """Create the study, or load it to resume; refuses one made for a different space or budget.
-    `sampler`: the search's FitSampler (search.sampler), the plan as Optuna's sampler."""
+    """Create the study, or load it to resume; refuses one made for a different space, job or
+    budget. `sampler`: the search's FitSampler (search.sampler), the plan as Optuna's sampler."""
     import warnings
 
     import optuna
@@ -136,6 +136,7 @@ def open_study(url: str, name: str, space: Space, setup: dict[str, Any], sampler
     # what optimize does inside, so the warning says nothing here.
     warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
     signature = space_signature(space)
+    job = job_signature(space)
     try:
         with _sqlite_lock(url):  # two searches started together in a fresh folder: one creates, one waits
             study = optuna.create_study(
@@ -146,6 +147,7 @@ def open_study(url: str, name: str, space: Space, setup: dict[str, Any], sampler
             if stored is None:
                 study.set_metric_names(list(METRICS))
                 study.set_user_attr("space", signature)
+                study.set_user_attr("job", job)
                 if sampler is not None:  # the dashboard shows the study's attributes: which sampler plans it
                     study.set_user_attr("sampler", getattr(sampler, "NAME", type(sampler).__name__))
                 for key, value in setup.items():
@@ -156,12 +158,13 @@ def open_study(url: str, name: str, space: Space, setup: dict[str, Any], sampler
         if _is_storage_error(exc):
             raise UserError(f"study {name!r} in {url}: cannot open it: {_first_line(exc)}") from None
         raise
-    if stored is not None and (stored != signature
-                               or study.user_attrs.get("budget_bytes") != setup.get("budget_bytes")):
-        raise UserError(
-            f"study {name!r} in {url} was made for a different job or budget; "
-            f"use --study with a new name, or delete the study to start over"
-        )
+    if stored is not None:
+        changed = signature_changes(study.user_attrs, signature, job)
+        if study.user_attrs.get("budget_bytes") != setup.get("budget_bytes"):
+            changed.insert(0, "the budget")
+        if changed:
+            raise UserError(f"study {name!r} in {url} was made for another job: {'; '.join(changed[:3])} changed; "
+                            "use --study with a new name, or delete the study to start over")
     return study
 
 
@@ -194,6 +197,51 @@ def writable(name: str, url: str):
 
 def space_signature(space: Space) -> dict[str, list]:
     return {k.name: list(k.candidates) for k in space.knobs}
+
+
+def job_signature(space: Space) -> dict[str, Any]:
+    """What every probe of the study trains besides its knobs: the probe request of the space's
+    lightest point (each knob written, so what remains is what the knobs do not set: the model,
+    its dtype and quantization, every fixed setting), less how a probe is run and where the
+    weights lie on this machine, with the recipe's digest. A copy of a job with another model
+    under the same name is another study (issue 35: it was answered with Flux's winner)."""
+    request = requests.request_for(space.apply(space.job, space.lightest()), 1, "sim", None)
+    signature = {key: value for key, value in request.items() if key not in requests.RUN_FIELDS}
+    signature["model"] = {key: value for key, value in request["model"].items() if key != "path"}
+    signature["recipe"] = requests.recipe_digest()
+    return _jsonable(signature)
+
+
+def signature_changes(attrs: dict[str, Any], space: dict[str, list], job: dict[str, Any]) -> list[str]:
+    """What differs between a study's recorded signatures and these, as short phrases."""
+    if attrs.get("space") != space:
+        changed = sorted(set(space) ^ set(attrs.get("space") or {}))
+        return ["the knobs' candidates" + (f" ({', '.join(changed)})" if changed else "")]
+    stored = attrs.get("job")
+    if stored is None:
+        return ["the recorded job (the study was made by an earlier fitfinder)"]
+    if stored.get("recipe") != job.get("recipe"):
+        return ["fitfinder's probe recipe (another version made the study)"]
+    old, new = _flattened(stored), _flattened(job)
+    return [f"{path} ({_short(old.get(path))} -> {_short(new.get(path))})"
+            for path in sorted(set(old) | set(new), key=_model_first) if old.get(path) != new.get(path)]
+
+
+def _flattened(value: Any, path: str = "") -> dict[str, Any]:
+    if isinstance(value, dict) and value:
+        return {key: leaf for name, item in value.items()
+                for key, leaf in _flattened(item, f"{path}.{name}" if path else str(name)).items()}
+    return {path: value}
+
+
+def _model_first(path: str) -> tuple:
+    """The model's name and family before its configs' thousand keys."""
+    return (not path.startswith("model.") or path.startswith("model.arch."), path)
+
+
+def _short(value: Any) -> str:
+    text = "none" if value is None else json.dumps(value) if not isinstance(value, str) else value
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def distributions(space: Space) -> dict[str, Any]:
