@@ -272,3 +272,11 @@ def test_the_traceback_printed_after_the_message_is_read():
     ])
     [event] = oom.scan_log(log).events
     assert (event.phase, event.frames) == ("load", 3)
+
+
+def test_every_marker_holds_one_of_the_keys_a_line_is_first_tested_for():
+    # scan_log tries the markers only on a line holding one of OOM_KEYS: a marker without one would be missed.
+    for marker, _ in oom.OOM_MARKERS + oom.HOST_MARKERS:
+        assert any(key in marker for key in oom.OOM_KEYS), marker
+    for line in ("Killed", "  Killed  ", "MemoryError", "DataLoader worker (pid 77) is killed by signal: Killed."):
+        assert oom.host_marker(line) and any(key in line for key in oom.OOM_KEYS), line

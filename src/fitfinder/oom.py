@@ -67,7 +67,8 @@ HOST_MARKERS: tuple[tuple[str, str], ...] = (
 )
 # A line that is "Killed" alone (the shell reporting the OOM killer), a MemoryError (Python ran out of
 # RAM: OneTrainer#835), a DataLoader worker killed by a signal other than a crash.
-_HOST_LINE = re.compile(r"^\s*Killed\s*$|(?<![A-Za-z.])MemoryError\b|DataLoader worker \(pid \d{1,10}\) is killed by"
+_HOST_LINE = re.compile(r"^[ \t]*Killed[ \t\r]*$|(?<![A-Za-z.])MemoryError\b"
+                        r"|DataLoader worker \(pid \d{1,10}\) is killed by"
                         r"(?! signal: (?:Segmentation|Terminated|Aborted|Bus|Floating))", re.MULTILINE)
 # AI Toolkit's marker for an OOM it survived: the step is skipped and training goes on.
 SKIPPED_MARKER = "OOM during training step, skipping batch"
@@ -386,6 +387,7 @@ class _Walk:
     job_name: str | None = None
     clusters: list[_Cluster] = field(default_factory=list)
     errors: list[tuple[int, str]] = field(default_factory=list)  # (line number, exception line)
+    bars: list[tuple[int, int]] = field(default_factory=list)  # (record index, steps done) of each training bar
 
 
 def scan_log(text: str) -> LogScan:
@@ -393,11 +395,12 @@ def scan_log(text: str) -> LogScan:
     records = _records(text)
     walk = _Walk()
     for index, (number, line) in enumerate(records):
-        _follow_phase(walk, line)
+        _follow_phase(walk, index, line)
         if _is_oom_line(line):
             _add_to_cluster(walk, index, line)
         else:
             _note_error(walk, number, line)
+    _settle_done_after(walk)
     events = tuple(_event(records, cluster) for cluster in walk.clusters)
     error_line, error = _last_error(walk.errors)
     return LogScan(events, walk.step_done, walk.total_steps, error, error_line, records[-1][0] if records else 0)
@@ -411,8 +414,8 @@ def _records(text: str) -> list[tuple[int, str]]:
     return out
 
 
-def _follow_phase(walk: _Walk, line: str) -> None:
-    name = _JOB_NAME.search(line)
+def _follow_phase(walk: _Walk, index: int, line: str) -> None:
+    name = _JOB_NAME.search(line) if "Running job:" in line else None
     if name:  # a new AI Toolkit job: everything starts again
         walk.phase, walk.training_started, walk.step_done, walk.job_name = "load", False, None, name.group(1)
         return
@@ -431,10 +434,22 @@ def _follow_phase(walk: _Walk, line: str) -> None:
     bar = _bar(line)
     if bar and _is_training_bar(bar, walk.job_name):
         done = int(bar.group("n"))
-        for cluster in walk.clusters:
-            cluster.done_after = max(cluster.done_after, done)
+        walk.bars.append((index, done))
+        if walk.clusters:  # only the latest failure can still grow; the others are settled at the end
+            walk.clusters[-1].done_after = max(walk.clusters[-1].done_after, done)
         walk.training_started, walk.step_done, walk.total_steps = True, done, int(bar.group("total"))
         walk.phase = "train"
+
+
+def _settle_done_after(walk: _Walk) -> None:
+    """Each failure's most training steps done after its last line, in one pass from the end (updating
+    every failure at every bar was quadratic: 10,000 bars and as many skipped batches)."""
+    best, j = -1, len(walk.bars) - 1
+    for cluster in reversed(walk.clusters):
+        while j >= 0 and walk.bars[j][0] > cluster.last:
+            best = max(best, walk.bars[j][1])
+            j -= 1
+        cluster.done_after = max(cluster.done_after, best)
 
 
 def _bar(line: str) -> re.Match | None:
@@ -462,7 +477,15 @@ def _is_training_bar(bar: re.Match, job_name: str | None) -> bool:
 
 
 def _is_oom_line(line: str) -> bool:
-    return any(marker in line for marker, _ in OOM_MARKERS) or host_marker(line) is not None
+    return any(key in line for key in OOM_KEYS) and _ANY_OOM.search(line) is not None
+
+
+# Every OOM and host marker in one pattern, tried only on a line that holds one of the few substrings
+# every marker has (a log is mostly other lines: 25 substring tests a line were most of its cost).
+_ANY_OOM = re.compile("|".join(re.escape(m) for m, _ in OOM_MARKERS + HOST_MARKERS) + "|" + _HOST_LINE.pattern,
+                      re.MULTILINE)
+OOM_KEYS = ("emory", "OOM", "CUBLAS", "CUDNN", "Allocation on", "oom-kill", "exitcode: -9", "exit status -9",
+            "SIGKILL", "Killed", "killed by")  # tests/test_oom.py checks every marker holds one
 
 
 def _add_to_cluster(walk: _Walk, index: int, line: str) -> None:
@@ -548,6 +571,8 @@ _LAUNCHER_ERRORS = ("CalledProcessError",)
 
 
 def _note_error(walk: _Walk, number: int, line: str) -> None:
+    if "Error" not in line and "Exception" not in line and "Interrupt" not in line:
+        return  # most lines: no need for the pattern
     match = _ERROR_LINE.search(line)
     if match and not line.lstrip().startswith(("File ", "raise ", "except ")):
         walk.errors.append((number, match.group(1).strip()))
