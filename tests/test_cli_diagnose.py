@@ -52,7 +52,7 @@ def test_a_log_without_an_oom_points_to_its_error(folder):
     assert "not an out-of-memory failure" in result.stdout
     assert "error at line 15: RuntimeError: mat1 and mat2 shapes cannot be multiplied" in result.stdout
     answer = _json(run_cli("diagnose", "pytorch_not_oom_shapes.log", "--json", cwd=folder))
-    assert (answer["oom"], answer["kind"], answer["phase"], answer["step"]) == (False, "not_oom", "unknown", None)
+    assert (answer["oom"], answer["kind"], answer["phase"], answer["step"]) == (False, "not_oom", "train", 1)
     assert answer["error"] == "RuntimeError: mat1 and mat2 shapes cannot be multiplied (2x4096 and 3072x3072)"
 
 
@@ -112,6 +112,27 @@ def test_host_ram_for_people(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "  OOM at line 1: Out of memory: Killed process 1067104 (python)\n  kind: host    " in result.stdout
     assert "  first change: cache latents to disk instead of holding them in system RAM" in result.stdout
+
+
+def test_a_traceback_cut_before_its_exception_line_says_so(tmp_path):
+    shutil.copy(LOGS / "musubi_wan_backward_cut.log", tmp_path / "train.log")  # musubi-tuner#277, as posted
+    result = run_cli("diagnose", "train.log", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[1:3] == [
+        "  a traceback in _engine_run_backward without its exception line: likely an OOM; paste the rest "
+        "(line 11: the log ends inside this traceback)", "  phase: train    step: 1"]
+    assert "  first change: none yet: the error is not in the log; paste the rest of it" in result.stdout
+    answer = _json(run_cli("diagnose", "train.log", "--json", cwd=tmp_path))
+    assert (answer["oom"], answer["kind"], answer["phase"], answer["step"], answer["line"]) == (
+        False, "cut", "train", 1, 11)
+
+
+def test_an_error_that_is_not_an_oom_says_its_phase(tmp_path):
+    shutil.copy(LOGS / "kohya_ss_sample_images_zerodivision.log", tmp_path / "train.log")  # kohya_ss#2123
+    result = run_cli("diagnose", "train.log", cwd=tmp_path)
+    assert result.stdout.splitlines()[1:4] == [
+        "  not an out-of-memory failure", "  error at line 13: ZeroDivisionError: integer division or modulo by zero",
+        "  phase: sample    step: 255"]
 
 
 # -- bounded work on every log (issue 35): each reader linear, the read capped ------------------------

@@ -34,14 +34,8 @@ HELDOUT_MISSES = {
 }
 
 
-# Round 2 (issue 33), collected and split before its rules: read by the next commit's rules.
-BEFORE_RULES = {name for name, entry in EXPECTED.items() if entry.get("round") == 2
-                and name not in ("pytorch_rank4_ocr_loss_oom.log", "musubi_not_oom_num_samples_zero.log")}
-MISSES = {**HELDOUT_MISSES, **{name: "round 2, before its rules" for name in BEFORE_RULES}}
-
-
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.xfail(reason=MISSES[name], strict=True))
-                                  if name in MISSES else name for name in sorted(EXPECTED)])
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.xfail(reason=HELDOUT_MISSES[name], strict=True))
+                                  if name in HELDOUT_MISSES else name for name in sorted(EXPECTED)])
 def test_log_is_diagnosed_exactly(name):
     expected = {key: value for key, value in EXPECTED[name].items() if key not in METADATA}
     answer = diagnose.diagnose(diagnose.read_log(LOGS / name), None, name).as_json()

@@ -6,6 +6,10 @@ in which phase), during a sample, in steps 1-10, later, or intermittently. The f
 first step of the guides' rollback order for that moment that the job has not taken yet; with
 `--job` it is written into a copy of the job file, never into the job file itself.
 
+A log without an OOM is answered with its error (AI Toolkit's "Error running job:" line included) and the
+phase its traceback's frames name, or, when the log ends inside a traceback (cut before its exception
+line), with what that traceback shows and a request for the rest.
+
 Environment or config: a conservative configuration (batch 1, checkpointing on, buckets up to
 768, at most 33 frames) that still finds nothing free, or gets CUBLAS_STATUS_ALLOC_FAILED, before
 training really starts is a card or worker that is not clean: relaunching or changing the job
@@ -405,9 +409,7 @@ class Diagnosis:
         """The answer for a person: what happened, when, why, and what to change first."""
         head = f"diagnose: {self.log} ({TRAINER_NAMES.get(self.trainer, self.trainer)})"
         if not self.oom:
-            where = f" at line {self.error_line}" if self.error_line else ""
-            found = f"error{where}: {self.error}" if self.error else "no error in the log"
-            return [head, "  not an out-of-memory failure", f"  {found}", f"  first change: {self.first_change}"] + [
+            return [head, *self._lines_without_oom(), f"  first change: {self.first_change}"] + [
                 f"  note: {note}" for note in self.notes]
         out = [head, f"  OOM at line {self.line}: {_shorten(self.message)}",
                f"  kind: {self.kind}    when: {self.when_text()}    phase: {self.phase}"]
@@ -424,6 +426,17 @@ class Diagnosis:
                        + "; ".join(f"{k}: {_yaml(o)} -> {_yaml(n)}" for k, o, n in self.changes))
         if self.next_step:
             out.append(f"  next: {self.next_step}")
+        return out
+
+    def _lines_without_oom(self) -> list[str]:
+        if self.kind == "cut":
+            out = [f"  {self.message} (line {self.line}: the log ends inside this traceback)"]
+        else:
+            where = f" at line {self.error_line}" if self.error_line else ""
+            out = ["  not an out-of-memory failure",
+                   f"  error{where}: {self.error}" if self.error else "  no error in the log"]
+        if self.phase != "unknown":
+            out.append(f"  phase: {self.phase}" + (f"    step: {self.step}" if self.step is not None else ""))
         return out
 
     def when_text(self) -> str:
@@ -443,7 +456,8 @@ TRAINER_NAMES = {"ai-toolkit": "AI Toolkit", "kohya": "kohya sd-scripts", "musub
 TRAINER_MARKERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("ai-toolkit", ("# Running job:", "Error running job:", "OOM during training step", "BaseSDTrainProcess",
                     "Generating baseline samples"), "ostris/ai-toolkit run.py and jobs/process"),
-    ("musubi", ("musubi_tuner", "hv_train_network", "wan_train_network"), "kohya-ss/musubi-tuner module names"),
+    ("musubi", ("musubi_tuner", "musubi-tuner", "hv_train_network", "wan_train_network"),
+     "kohya-ss/musubi-tuner module names and its folder"),
     ("onetrainer", ("OneTrainer", "GenericTrainer", "modules/modelSetup", "modules\\modelSetup"),
      "Nerogar/OneTrainer paths and classes"),
     ("simpletuner", ("SimpleTuner", "simpletuner", "helpers/training/trainer.py"), "bghira/SimpleTuner paths"),
@@ -472,10 +486,7 @@ def diagnose(text: str, job=None, log_name: str = "log") -> Diagnosis:
     settings = settings_of_job(editable, "job" if job is not None else "log") if editable is not None \
         else settings_of_log(text)
     if not scan.events:
-        advice = ("none: this run did not fail for memory; fix the error it shows" if scan.last_error else
-                  "none: there is no out-of-memory failure, and no error, in this log")
-        return Diagnosis(log_name, trainer, False, "not_oom", "unknown", None, None, advice,
-                         error=scan.last_error, error_line=scan.last_error_line)
+        return _without_oom(scan.failure, trainer, log_name)
     event = scan.events[-1]  # the one that ended the run, or the latest
     intermittent = any(e.recovered for e in scan.events)
     before_training = event.step is None or event.step <= 1
@@ -491,6 +502,27 @@ def diagnose(text: str, job=None, log_name: str = "log") -> Diagnosis:
     _choose_first_change(diagnosis, row, settings, editable)
     diagnosis.notes = _notes(verdict, scan, settings, job)
     return diagnosis
+
+
+CUT_ADVICE = ("none yet: the error is not in the log; paste the rest of it (from the 'Traceback' line to the "
+              "end), or run again with the output saved whole (`... 2>&1 | tee train.log`)")
+
+
+def _without_oom(failure: oom.Failure | None, trainer: str, log_name: str) -> Diagnosis:
+    """A log that shows no OOM: the error it ends in, or a traceback cut before its exception line,
+    each with the phase its frames (or the progress lines) name."""
+    if failure is None:
+        return Diagnosis(log_name, trainer, False, "not_oom", "unknown", None, None,
+                         "none: there is no out-of-memory failure, and no error, in this log")
+    if failure.cut:
+        where = f" in {failure.frame}" if failure.frame else ""
+        likely = "likely an OOM; " if failure.phase != "unknown" else ""
+        message = f"a traceback{where} without its exception line: {likely}paste the rest"
+        return Diagnosis(log_name, trainer, False, "cut", failure.phase, failure.step, None, CUT_ADVICE,
+                         message=message, line=failure.line)
+    return Diagnosis(log_name, trainer, False, "not_oom", failure.phase, failure.step, None,
+                     "none: this run did not fail for memory; fix the error it shows",
+                     error=failure.error, error_line=failure.line)
 
 
 def _when(event: oom.OomEvent, intermittent: bool) -> str:
