@@ -5,9 +5,9 @@ capped at diagnose.MAX_LOG_BYTES, anything but a regular file refused in one lin
     python benchmarks/diagnose_timing.py --before REV     # and the code at git revision REV
 
 Each case is a log written to a temporary folder and read by `diagnose.run` in a child process (the
-time is the call's, without Python's start), stopped after --timeout seconds and held to 2 GiB of
-memory (the code before the cap read /dev/zero until it ran out). Times depend on the machine; the
-shape (how the time grows with the log) is the figure.
+time is the call's, without Python's start: CPU time, and wall time in brackets), stopped after
+--timeout seconds and held to 2 GiB of memory (the code before the cap read /dev/zero until it ran
+out). Times depend on the machine; the shape (how the time grows with the log) is the figure.
 """
 
 from __future__ import annotations
@@ -56,10 +56,10 @@ def write_cases(folder: Path) -> dict[str, Path]:
 
 def timed(src: Path, log: Path, timeout: float) -> str:
     script = ("import sys, time\nfrom pathlib import Path\nfrom fitfinder import diagnose\n"
-              "from fitfinder.errors import UserError\nstarted = time.perf_counter()\n"
+              "from fitfinder.errors import UserError\nstarted, cpu = time.perf_counter(), time.process_time()\n"
               "try:\n    answer = diagnose.run(Path(sys.argv[1]))\n    outcome = answer.kind\n"
-              "except UserError as exc:\n    outcome = f'refused: {exc}'\n"
-              "print(f'{time.perf_counter() - started:.2f} s, {outcome}')\n")
+              "except UserError as exc:\n    outcome = 'refused: ' + str(exc).split(': ', 1)[1][:40]\n"
+              "print(f'{time.process_time() - cpu:.2f} s CPU ({time.perf_counter() - started:.2f} s), {outcome}')\n")
 
     def limit_memory():
         resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
