@@ -57,7 +57,8 @@ def test_every_row_of_the_table_is_reached_by_a_log():
 def test_the_rows_real_logs_reach_and_the_ones_only_format_excerpts_do():
     # The real threads found for the other rows (kohya_ss#1441 caching latents, sd-scripts#1014 sampling,
     # diffusers#11225 validation, musubi-tuner#450 after 2048 steps) are stored cut before their error
-    # line: those rows are reached only by the format excerpts (no "source") until a real log is found.
+    # line (round 2 holds kohya_ss#1441 and others as kind "cut", which reach no row): those rows are
+    # reached only by the format excerpts (no "source") until a real log is found.
     real = _rows(name for name in EXPECTED if "source" in EXPECTED[name])
     assert real == {"load", "text_encoder", "before_step_1", "steps_1_10", "environment", "host"}
     assert set(diagnose.ROWS) - real == {"latents", "first_sample", "sample", "later", "intermittent"}
