@@ -286,6 +286,17 @@ def _fifo(folder: Path):
 
 CASES["job_file_fifo"] = Case(["search", "job.yaml"], "job.yaml: not a regular file", setup=_fifo)
 
+# -- diagnose's log: only a regular file is read (a FIFO blocked the read forever; /dev/zero was read
+# until MemoryError)
+CASES["diagnose_log_dev_zero"] = Case(["diagnose", "/dev/zero"], "/dev/zero: not a regular file", seconds=2)
+CASES["diagnose_log_fifo"] = Case(["diagnose", "train.log"], "train.log: not a regular file", seconds=2,
+                                  setup=lambda folder: os.mkfifo(folder / "train.log"))
+CASES["diagnose_log_a_folder"] = Case(["diagnose", "."], ".: is a folder", seconds=2)
+CASES["diagnose_log_dangling_link"] = Case(["diagnose", "train.log"], "train.log: no such file",
+                                           setup=_link("gone.log", "train.log"))
+CASES["diagnose_log_link_to_dev_zero"] = Case(["diagnose", "train.log"], "train.log: not a regular file", seconds=2,
+                                              setup=_link("/dev/zero", "train.log"))
+
 
 # -- the environment: output folders that cannot be written ----------------------------------------
 def read_only(path: Path) -> Callable[[], None]:

@@ -272,3 +272,118 @@ def test_the_traceback_printed_after_the_message_is_read():
     ])
     [event] = oom.scan_log(log).events
     assert (event.phase, event.frames) == ("load", 3)
+
+
+def test_every_marker_holds_one_of_the_keys_a_line_is_first_tested_for():
+    # scan_log tries the markers only on a line holding one of OOM_KEYS: a marker without one would be missed.
+    for marker, _ in oom.OOM_MARKERS + oom.HOST_MARKERS:
+        assert any(key in marker for key in oom.OOM_KEYS), marker
+    for line in ("Killed", "  Killed  ", "MemoryError", "DataLoader worker (pid 77) is killed by signal: Killed."):
+        assert oom.host_marker(line) and any(key in line for key in oom.OOM_KEYS), line
+
+
+# -- one line's phase, for a reader that follows a running trainer (issue 31's trainer probe) --------------
+@pytest.mark.parametrize("line, phase", [
+    # AI Toolkit (jobs/process/BaseSDTrainProcess.py, toolkit/dataloader_mixins.py)
+    ("Loading Flux model", "load"),
+    ("Quantizing Transformer", "load"),
+    ("Caching latents for /data/set", "latents"),
+    ("Caching text_embeddings for /data/set", "text_encoder"),
+    ("Generating baseline samples before training", "sample"),
+    ("Generating Images:   0%|          | 0/1 [00:00<?, ?it/s]", "sample"),
+    ("my_lora:   1%|          | 10/1000 [00:10<16:30,  1.0s/it, lr: 1.0e-04 loss: 1.0e-01]", "train"),
+    # kohya sd-scripts (library/train_util.py, flux_train_network.py), with its rich logger's prefix
+    ("2024-09-06 10:53:11 INFO     load StableDiffusion checkpoint: /m/sdxl.safetensors   train_util.py:5201", "load"),
+    ("                    INFO     Building Flux model dev from BFL checkpoint      flux_utils.py:101", "load"),
+    ("                    INFO     caching latents with caching strategy.             train_util.py:1120", "latents"),
+    ("                    INFO     move text encoders to gpu            flux_train_network.py:216", "text_encoder"),
+    ("caching Text Encoder outputs...", "text_encoder"),
+    ("generating sample images at step / サンプル画像生成 ステップ: 150", "sample"),
+    ("running training / 学習開始", "train"),
+    ("steps:  12%|#2        | 240/2000 [01:02<07:35,  3.86it/s, avr_loss=0.108]", "train"),
+    # musubi-tuner (training/trainer_base.py, wan_train_network.py), Python logging's prefix
+    ("INFO:musubi_tuner.hv_train_network:Loading DiT model from /m/wan.safetensors", "load"),
+    ("INFO:musubi_tuner.wan_train_network:encoding with Text Encoder 1", "text_encoder"),
+    # lines that mark nothing
+    ("epoch 1/64", None),
+    ("checking cache validity...", None),
+    (" 19%|█████████▉        | 14/74 [00:05<00:23,  2.57it/s]", None),
+    ("Traceback (most recent call last):", None),
+])
+def test_the_phase_one_line_marks(line, phase):
+    assert oom.phase_of_line(line) == phase
+
+
+def test_a_bar_named_for_the_ai_toolkit_job_is_training_given_the_name():
+    bar = "my_lora:   1%|          | 10/1000 [00:10<16:30,  1.0s/it]"  # no loss in the postfix yet
+    assert (oom.phase_of_line(bar), oom.phase_of_line(bar, job_name="my_lora")) == (None, "train")
+
+
+# -- cuBLAS handle failures: memory at load, not after training made progress ---------------------------
+CUBLAS_INIT = "RuntimeError: CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling `cublasCreate(handle)`"
+
+
+def test_a_cublas_handle_that_cannot_be_made_at_load_is_memory():
+    log = "\n".join(["Loading Flux model", "Quantizing Transformer", "Traceback (most recent call last):",
+                     '  File "/ai-toolkit/toolkit/stable_diffusion_model.py", line 613, in load_model', CUBLAS_INIT])
+    [event] = oom.scan_log(log).events
+    assert (event.verdict.kind, event.verdict.marker, event.phase, event.step) == (
+        "config", "CUBLAS_STATUS_NOT_INITIALIZED", "load", None)
+
+
+def test_a_cublas_handle_failure_after_training_steps_is_the_error_it_says():
+    log = f"steps:   1%|#  | 20/2000 [00:40<1:06:00, 2.0s/it, avr_loss=0.1]\n{CUBLAS_INIT}\n"
+    scan = oom.scan_log(log)
+    assert (scan.events, scan.failure.error, scan.failure.step) == ((), CUBLAS_INIT, 21)
+    assert not oom.classify(CUBLAS_INIT).is_oom and oom.classify(CUBLAS_INIT, before_training=True).is_oom
+
+
+# -- a failure without an OOM: its phase from the frames, AI Toolkit's error line, a cut traceback ---------
+def test_the_phase_of_any_error_comes_from_its_frames():
+    log = "\n".join(["steps:  50%|#####     | 1000/2000 [20:00<20:00, 1.2s/it, avr_loss=0.1]",
+                     "Traceback (most recent call last):",
+                     '  File "/sd-scripts/train_network.py", line 1311, in train',
+                     '  File "/sd-scripts/library/train_util.py", line 5247, in _load_target_model',
+                     "OSError: [Errno 5] Input/output error"])
+    failure = oom.scan_log(log).failure
+    assert (failure.error, failure.line, failure.phase, failure.frame) == (
+        "OSError: [Errno 5] Input/output error", 5, "load", "_load_target_model")
+
+
+def test_ai_toolkits_error_line_is_the_error_of_the_traceback_after_it():
+    log = "\n".join(["Generating baseline samples before training",
+                     "Error running job: Expected all tensors to be on the same device",
+                     "========================================", "Traceback (most recent call last):",
+                     '  File "/ai-toolkit/run.py", line 96, in main'])
+    failure = oom.scan_log(log).failure
+    assert (failure.cut, failure.error, failure.line, failure.phase) == (
+        False, "Expected all tensors to be on the same device", 2, "sample")
+
+
+CUT = ["steps:   0%|          | 0/10000 [02:17<?, ?it/s, avr_loss=0.0563]Traceback (most recent call last):",
+       '  File "/root/wan_train_network.py", line 447, in <module>', "    trainer.train(args)",
+       '  File "/root/hv_train_network.py", line 1915, in train', "    accelerator.backward(loss)",
+       '  File "/usr/lib/python3.10/site-packages/torch/autograd/graph.py", line 825, in _engine_run_backward',
+       "    return Variable._execution_engine.run_backward(  # Calls into"]
+
+
+def test_a_traceback_the_log_ends_inside_is_cut():
+    failure = oom.scan_log("\n".join(CUT)).failure
+    assert (failure.cut, failure.line, failure.phase, failure.step, failure.frame) == (
+        True, 1, "train", 1, "_engine_run_backward")
+
+
+@pytest.mark.parametrize("ending", ["RuntimeError: CUDA error: device-side assert triggered",
+                                    "Press any key to continue . . ."])
+def test_a_traceback_followed_by_its_error_or_other_output_is_not_cut(ending):
+    failure = oom.scan_log("\n".join(CUT + [ending])).failure
+    assert failure is None or not failure.cut
+
+
+def test_a_cut_traceback_reads_the_call_on_its_last_source_line():
+    # A rich box cut below `train`: the failing line (❱) was going into load_target_model.
+    log = "\n".join(["╭──── Traceback (most recent call last) ────╮",
+                     "│ /content/sd-scripts/train_network.py:168 in train │", "│                    │",
+                     "│ ❱ 168 │   text_encoder, vae, unet, _ = train_util.load_target_model(args, we │"])
+    failure = oom.scan_log(log).failure
+    assert (failure.cut, failure.phase, failure.frame) == (True, "load", "load_target_model")

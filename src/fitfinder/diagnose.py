@@ -6,6 +6,10 @@ in which phase), during a sample, in steps 1-10, later, or intermittently. The f
 first step of the guides' rollback order for that moment that the job has not taken yet; with
 `--job` it is written into a copy of the job file, never into the job file itself.
 
+A log without an OOM is answered with its error (AI Toolkit's "Error running job:" line included) and the
+phase its traceback's frames name, or, when the log ends inside a traceback (cut before its exception
+line), with what that traceback shows and a request for the rest.
+
 Environment or config: a conservative configuration (batch 1, checkpointing on, buckets up to
 768, at most 33 frames) that still finds nothing free, or gets CUBLAS_STATUS_ALLOC_FAILED, before
 training really starts is a card or worker that is not clean: relaunching or changing the job
@@ -15,7 +19,9 @@ disk, fewer data-loader workers, swap), never a GPU setting.
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -150,26 +156,32 @@ AITK_NUM_WORKERS = 2
 
 # (pattern, setting, where it comes from). The last match wins, except buckets and frames: the largest.
 LOG_SETTINGS: tuple[tuple[str, str, str], ...] = (
-    (r"batch size per device / バッチサイズ: (\d+)", "batch",
+    (r"batch size per device / バッチサイズ: (\d{1,9})", "batch",
      "kohya sd-scripts and musubi-tuner at 'running training'"),
-    (r"Instantaneous batch size per device = (\d+)", "batch", "diffusers example scripts at 'Running training'"),
-    (r"--train_batch_size[= ](\d+)", "batch", "a command line (kohya sd-scripts, diffusers examples)"),
-    (r"勾配を合計するステップ数 = (\d+)", "accumulation", "kohya sd-scripts and musubi-tuner at 'running training'"),
-    (r"Gradient Accumulation steps = (\d+)", "accumulation", "diffusers example scripts at 'Running training'"),
-    (r"--gradient_accumulation_steps[= ](\d+)", "accumulation", "a command line"),
+    (r"Instantaneous batch size per device = (\d{1,9})", "batch", "diffusers example scripts at 'Running training'"),
+    (r"--train_batch_size[= ](\d{1,9})", "batch", "a command line (kohya sd-scripts, diffusers examples)"),
+    (r"勾配を合計するステップ数 = (\d{1,9})", "accumulation",
+     "kohya sd-scripts and musubi-tuner at 'running training'"),
+    (r"Gradient Accumulation steps = (\d{1,9})", "accumulation", "diffusers example scripts at 'Running training'"),
+    (r"--gradient_accumulation_steps[= ](\d{1,9})", "accumulation", "a command line"),
     (r"(--gradient_checkpointing)\b", "checkpointing", "a command line (kohya_ss, fluxgym and musubi GUIs print it)"),
-    (r"^\s*resolution: \((\d+), (\d+)\)", "buckets", "kohya sd-scripts / musubi-tuner dataset summary"),
-    (r"--resolution[= ]\"?(\d+)", "buckets", "a command line (diffusers examples, kohya sd-scripts)"),
-    (r"target_frames: \(([\d,\s]+)\)", "frames", "musubi-tuner dataset summary"),
+    (r"resolution: \((\d{1,9}), (\d{1,9})\)", "buckets", "kohya sd-scripts / musubi-tuner dataset summary"),
+    (r"--resolution[= ]\"?(\d{1,9})", "buckets", "a command line (diffusers examples, kohya sd-scripts)"),
+    (r"target_frames: \(([\d, ]{1,2000})\)", "frames", "musubi-tuner dataset summary"),
     (r"(--cache_text_encoder_outputs)\b", "cache_text", "a command line (kohya sd-scripts)"),
     (r"(--fp8_base)\b", "quantize", "a command line (kohya sd-scripts, musubi-tuner)"),
     (r"(--blocks_to_swap)\b", "low_vram", "a command line (kohya sd-scripts, musubi-tuner)"),
     (r"(--cache_latents_to_disk)\b", "cache_to_disk", "a command line (kohya sd-scripts)"),
-    (r"--(?:max_data_loader_n_workers|dataloader_num_workers)[= ]\"?(\d+)", "workers",
+    (r"--(?:max_data_loader_n_workers|dataloader_num_workers)[= ]\"?(\d{1,9})", "workers",
      "a command line (kohya sd-scripts and musubi-tuner; diffusers examples)"),
-    (r"^[^\"]*\bwidth: (\d+)", "sample_width", "kohya sd-scripts, for each sample prompt"),
-    (r"^[^\"]*\bheight: (\d+)", "sample_height", "kohya sd-scripts, for each sample prompt"),
+    (r"width: (\d{1,9})", "sample_width", "kohya sd-scripts, for each sample prompt"),
+    (r"height: (\d{1,9})", "sample_height", "kohya sd-scripts, for each sample prompt"),
 )
+# What may come before a setting on its line: kohya's dataset summary indents "resolution: (W, H)"; its
+# sample lines print "width: N" alone, not inside a quoted prompt. Checked per match, so that every
+# pattern starts with its literal (a line-start pattern under MULTILINE took 2.4 s for 100,000 lines).
+_BEFORE_ON_LINE = {"buckets": re.compile(r"[ \t]*"), "sample_width": re.compile(r'(?:[^"]*\W)?'),
+                   "sample_height": re.compile(r'(?:[^"]*\W)?')}
 _FLAGS = ("--gradient_checkpointing", "--cache_text_encoder_outputs", "--fp8_base", "--blocks_to_swap",
           "--cache_latents_to_disk")
 
@@ -179,11 +191,13 @@ def settings_of_log(text: str) -> Settings:
     (None). AI Toolkit's logs carry the whole config: see `aitk_config_of_log`."""
     found: dict[str, list] = {}
     for pattern, name, _ in LOG_SETTINGS:
-        for match in re.finditer(pattern, text, re.MULTILINE):
+        for match in re.finditer(pattern, text):
+            if name in _BEFORE_ON_LINE and not _alone_enough(text, match.start(), _BEFORE_ON_LINE[name]):
+                continue
             if match.group(1) in _FLAGS:
                 found.setdefault(name, []).append(True)
             else:
-                found.setdefault(name, []).extend(int(n) for n in re.findall(r"\d+", " ".join(match.groups())))
+                found.setdefault(name, []).extend(int(n) for n in re.findall(r"\d{1,9}", " ".join(match.groups())))
     settings = Settings("log")
     for name, values in found.items():
         if name == "buckets":
@@ -197,6 +211,15 @@ def settings_of_log(text: str) -> Settings:
     if "sample_width" in found and "sample_height" in found:
         settings.sample_size = (max(found["sample_width"]), max(found["sample_height"]))
     return settings
+
+
+def _alone_enough(text: str, at: int, before: re.Pattern, reach: int = 300) -> bool:
+    """Whether what precedes `at` on its line fits `before`, looking back at most `reach` characters
+    (so a long line with many matches costs its length, not its length squared)."""
+    start = text.rfind("\n", max(0, at - reach), at) + 1
+    if start == 0 and at > reach:
+        return False  # the line started further back than a trainer's prefix ever does
+    return before.fullmatch(text, start, at) is not None
 
 
 def aitk_config_of_log(text: str):
@@ -386,9 +409,8 @@ class Diagnosis:
         """The answer for a person: what happened, when, why, and what to change first."""
         head = f"diagnose: {self.log} ({TRAINER_NAMES.get(self.trainer, self.trainer)})"
         if not self.oom:
-            where = f" at line {self.error_line}" if self.error_line else ""
-            found = f"error{where}: {self.error}" if self.error else "no error in the log"
-            return [head, "  not an out-of-memory failure", f"  {found}", f"  first change: {self.first_change}"]
+            return [head, *self._lines_without_oom(), f"  first change: {self.first_change}"] + [
+                f"  note: {note}" for note in self.notes]
         out = [head, f"  OOM at line {self.line}: {_shorten(self.message)}",
                f"  kind: {self.kind}    when: {self.when_text()}    phase: {self.phase}"]
         if self.unplaced:
@@ -404,6 +426,17 @@ class Diagnosis:
                        + "; ".join(f"{k}: {_yaml(o)} -> {_yaml(n)}" for k, o, n in self.changes))
         if self.next_step:
             out.append(f"  next: {self.next_step}")
+        return out
+
+    def _lines_without_oom(self) -> list[str]:
+        if self.kind == "cut":
+            out = [f"  {self.message} (line {self.line}: the log ends inside this traceback)"]
+        else:
+            where = f" at line {self.error_line}" if self.error_line else ""
+            out = ["  not an out-of-memory failure",
+                   f"  error{where}: {self.error}" if self.error else "  no error in the log"]
+        if self.phase != "unknown":
+            out.append(f"  phase: {self.phase}" + (f"    step: {self.step}" if self.step is not None else ""))
         return out
 
     def when_text(self) -> str:
@@ -423,7 +456,8 @@ TRAINER_NAMES = {"ai-toolkit": "AI Toolkit", "kohya": "kohya sd-scripts", "musub
 TRAINER_MARKERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("ai-toolkit", ("# Running job:", "Error running job:", "OOM during training step", "BaseSDTrainProcess",
                     "Generating baseline samples"), "ostris/ai-toolkit run.py and jobs/process"),
-    ("musubi", ("musubi_tuner", "hv_train_network", "wan_train_network"), "kohya-ss/musubi-tuner module names"),
+    ("musubi", ("musubi_tuner", "musubi-tuner", "hv_train_network", "wan_train_network"),
+     "kohya-ss/musubi-tuner module names and its folder"),
     ("onetrainer", ("OneTrainer", "GenericTrainer", "modules/modelSetup", "modules\\modelSetup"),
      "Nerogar/OneTrainer paths and classes"),
     ("simpletuner", ("SimpleTuner", "simpletuner", "helpers/training/trainer.py"), "bghira/SimpleTuner paths"),
@@ -452,10 +486,7 @@ def diagnose(text: str, job=None, log_name: str = "log") -> Diagnosis:
     settings = settings_of_job(editable, "job" if job is not None else "log") if editable is not None \
         else settings_of_log(text)
     if not scan.events:
-        advice = ("none: this run did not fail for memory; fix the error it shows" if scan.last_error else
-                  "none: there is no out-of-memory failure, and no error, in this log")
-        return Diagnosis(log_name, trainer, False, "not_oom", "unknown", None, None, advice,
-                         error=scan.last_error, error_line=scan.last_error_line)
+        return _without_oom(scan.failure, trainer, log_name)
     event = scan.events[-1]  # the one that ended the run, or the latest
     intermittent = any(e.recovered for e in scan.events)
     before_training = event.step is None or event.step <= 1
@@ -471,6 +502,27 @@ def diagnose(text: str, job=None, log_name: str = "log") -> Diagnosis:
     _choose_first_change(diagnosis, row, settings, editable)
     diagnosis.notes = _notes(verdict, scan, settings, job)
     return diagnosis
+
+
+CUT_ADVICE = ("none yet: the error is not in the log; paste the rest of it (from the 'Traceback' line to the "
+              "end), or run again with the output saved whole (`... 2>&1 | tee train.log`)")
+
+
+def _without_oom(failure: oom.Failure | None, trainer: str, log_name: str) -> Diagnosis:
+    """A log that shows no OOM: the error it ends in, or a traceback cut before its exception line,
+    each with the phase its frames (or the progress lines) name."""
+    if failure is None:
+        return Diagnosis(log_name, trainer, False, "not_oom", "unknown", None, None,
+                         "none: there is no out-of-memory failure, and no error, in this log")
+    if failure.cut:
+        where = f" in {failure.frame}" if failure.frame else ""
+        likely = "likely an OOM; " if failure.phase != "unknown" else ""
+        message = f"a traceback{where} without its exception line: {likely}paste the rest"
+        return Diagnosis(log_name, trainer, False, "cut", failure.phase, failure.step, None, CUT_ADVICE,
+                         message=message, line=failure.line)
+    return Diagnosis(log_name, trainer, False, "not_oom", failure.phase, failure.step, None,
+                     "none: this run did not fail for memory; fix the error it shows",
+                     error=failure.error, error_line=failure.line)
 
 
 def _when(event: oom.OomEvent, intermittent: bool) -> str:
@@ -579,8 +631,11 @@ def _fragmented(verdict: oom.Verdict) -> bool:
 def run(log_path: Path, job_path: Path | None = None, output: Path | None = None) -> Diagnosis:
     """`fitfinder diagnose`: check the paths, read, diagnose, and write the fixed job file to `output`."""
     _check_paths(log_path, job_path, output)
+    text, cut_note = load_log(log_path)
     job = jobconfig.load(job_path) if job_path is not None else None
-    diagnosis = diagnose(read_log(log_path), job, str(log_path))
+    diagnosis = diagnose(text, job, str(log_path))
+    if cut_note:
+        diagnosis.notes.append(cut_note)
     if output is not None and diagnosis.changes:
         after = job.copy()
         for key, _, new in diagnosis.changes:
@@ -600,10 +655,6 @@ def run(log_path: Path, job_path: Path | None = None, output: Path | None = None
 
 
 def _check_paths(log_path: Path, job_path: Path | None, output: Path | None) -> None:
-    if not log_path.exists():
-        raise UserError(f"{log_path}: no such file; give the path of a training log")
-    if log_path.is_dir():
-        raise UserError(f"{log_path}: is a folder; give the path of a training log")
     if output is not None and job_path is None:
         raise UserError("-o: needs --job, the job file to apply the first change to")
     if output is not None and output.resolve() == job_path.resolve():
@@ -615,9 +666,68 @@ def _check_paths(log_path: Path, job_path: Path | None, output: Path | None) -> 
         raise UserError(f"-o {output}: is a folder; give the file to write the changed job to")
 
 
+# A failed run's log is a few MiB (10,000 steps of tqdm redraws are about 1.5 MiB). Past MAX_LOG_BYTES
+# only its start (AI Toolkit's echoed config, kohya's settings) and its end (the failure) are read:
+# every reader is linear, and this keeps the longest read to a few seconds.
+MAX_LOG_BYTES = 16 << 20
+LOG_HEAD_BYTES = 1 << 20
+
+
 def read_log(path: Path) -> str:
-    """The log as text: UTF-8, or UTF-16 as PowerShell's Tee-Object writes it; colours removed."""
-    data = path.read_bytes()
+    """The log as text: UTF-8, or UTF-16 as PowerShell's Tee-Object writes it; colours removed. A log
+    over MAX_LOG_BYTES is its first LOG_HEAD_BYTES and its end (see load_log)."""
+    return load_log(path)[0]
+
+
+def load_log(path: Path) -> tuple[str, str | None]:
+    """The log's text, and for a log over MAX_LOG_BYTES the note that says which parts were read.
+    Only a regular file is read: a FIFO would block, /dev/zero never ends (refused in one line)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO opens without a writer
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file; give the path of a training log") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read it ({exc.strerror or type(exc).__name__})") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise UserError(f"{path}: is a folder; give the path of a training log")
+        raise UserError(f"{path}: not a regular file (a FIFO, a device or a socket); save the log to a file "
+                        "and give its path")
+    size = info.st_size
+    with open(fd, "rb") as handle:
+        try:
+            if size <= MAX_LOG_BYTES:
+                data = handle.read(MAX_LOG_BYTES)  # bounded even if the file grows while it is read
+                return _decode_log(data), None
+            head = handle.read(LOG_HEAD_BYTES)
+            handle.seek(size - (MAX_LOG_BYTES - LOG_HEAD_BYTES))
+            tail = handle.read(MAX_LOG_BYTES - LOG_HEAD_BYTES)
+        except OSError as exc:
+            raise UserError(f"{path}: cannot read it ({exc.strerror or type(exc).__name__})") from None
+    return _joined(head, tail, size)
+
+
+def _joined(head: bytes, tail: bytes, size: int) -> tuple[str, str]:
+    """A long log's first and last parts, each cut at a line end, with a line where the rest was."""
+    utf16 = head.startswith((b"\xff\xfe", b"\xfe\xff"))
+    if utf16:  # the tail starts at an even byte of the same encoding, without its own byte-order mark
+        tail = tail[len(tail) % 2:]
+        first, rest = _decode_log(head), _decode_log(head[:2] + tail)
+    else:
+        first, rest = _decode_log(head), _decode_log(tail)
+    first, rest = first[:first.rfind("\n") + 1], rest[rest.find("\n") + 1:]
+    skipped = size - len(head) - len(tail)
+    cut_line = first.count("\n") + 1
+    text = f"{first}[fitfinder: {format_bytes(skipped)} of the log not read here]\n{rest}"
+    note = (f"the log is {format_bytes(size)}, more than the {format_bytes(MAX_LOG_BYTES)} diagnose reads: it read "
+            f"the first {format_bytes(LOG_HEAD_BYTES)} and the last {format_bytes(len(tail))}; line numbers after "
+            f"line {cut_line} count from there, not from the start of the file")
+    return text, note
+
+
+def _decode_log(data: bytes) -> str:
     if data.startswith((b"\xff\xfe", b"\xfe\xff")):
         text = data.decode("utf-16", errors="replace")
     else:

@@ -10,12 +10,16 @@ killer, a MemoryError, a data-loader worker killed; read from log text only) or 
 is where the memory ran out: "load", "text_encoder", "latents", "sample", "train", or None when
 nothing in the text says.
 
-Two ways in:
+Three ways in:
 - `classify(exception_or_text)`: one failure (the probe calls it on the exception it caught).
 - `scan_log(text)`: a whole training log (AI Toolkit, kohya sd-scripts, musubi-tuner, SimpleTuner,
   OneTrainer, diffusion-pipe, diffusers example scripts, plain PyTorch), walked line by line: every
   OOM in it with its phase (from the traceback's frames first, then the progress lines before it)
-  and the training step that was running, and whether training went on after it.
+  and the training step that was running, and whether training went on after it; and the failure
+  that ended the run otherwise (`Failure`: its error with its phase and step, or a traceback the log
+  ends inside, cut before its exception line).
+- `phase_of_line(line)`: the phase one line of a running trainer's output marks, for a reader that
+  follows it line by line (a trainer probe); `scan_log` walks the same rules.
 
 Every pattern is bounded, so a log costs what its length costs (a 20,000-digit line included).
 """
@@ -56,6 +60,13 @@ OOM_MARKERS: tuple[tuple[str, str], ...] = (
      "CUDACachingAllocator's expandable_segments warning before a compiled kernel fails (SimpleTuner#3176)"),
     ("CUDNN_STATUS_NOT_INITIALIZED", "cuDNN cannot create its handle on a full card (LLaVA#392, Info-HCVAE#7)"),
 )
+# Handle failures that mean memory only before any training step: cuBLAS creates its handle at the first
+# matrix product, so on a card that loading (or caching) has filled, cublasCreate fails with this
+# status. Later, or in another program, it is as often a wrong index on the card: not read as memory there.
+LOAD_MARKERS: tuple[tuple[str, str], ...] = (
+    ("CUBLAS_STATUS_NOT_INITIALIZED", "PyTorch's CUDA error 'CUBLAS_STATUS_NOT_INITIALIZED when calling "
+     "`cublasCreate(handle)`' (issue 33: at load, the card was full)"),
+)
 # The machine's RAM, not the card's (read from log text only: a probe's own exceptions keep their
 # classification, and the search never prunes a GPU setting for them).
 HOST_MARKERS: tuple[tuple[str, str], ...] = (
@@ -67,7 +78,8 @@ HOST_MARKERS: tuple[tuple[str, str], ...] = (
 )
 # A line that is "Killed" alone (the shell reporting the OOM killer), a MemoryError (Python ran out of
 # RAM: OneTrainer#835), a DataLoader worker killed by a signal other than a crash.
-_HOST_LINE = re.compile(r"^\s*Killed\s*$|(?<![A-Za-z.])MemoryError\b|DataLoader worker \(pid \d{1,10}\) is killed by"
+_HOST_LINE = re.compile(r"^[ \t]*Killed[ \t\r]*$|(?<![A-Za-z.])MemoryError\b"
+                        r"|DataLoader worker \(pid \d{1,10}\) is killed by"
                         r"(?! signal: (?:Segmentation|Terminated|Aborted|Bus|Floating))", re.MULTILINE)
 # AI Toolkit's marker for an OOM it survived: the step is skipped and training goes on.
 SKIPPED_MARKER = "OOM during training step, skipping batch"
@@ -190,13 +202,31 @@ LINE_PHASES: tuple[tuple[str, str, str], ...] = (
     ("requested to load", "load", "ComfyUI's model management, under ComfyUI-based trainers"),
     ("loading pipeline components", "load", "diffusers DiffusionPipeline.from_pretrained"),
     ("moving text encoder", "text_encoder", "AI Toolkit moving its text encoder to the card to encode"),
+    # kohya sd-scripts (library/train_util.py, sdxl_train_util.py, flux_train_network.py logger.info lines)
+    ("load stablediffusion checkpoint", "load", "kohya sd-scripts train_util / sdxl_train_util._load_target_model"),
+    ("load diffusers pretrained models", "load", "kohya sd-scripts train_util._load_target_model"),
+    ("move text encoder to gpu", "text_encoder", "kohya sd-scripts anima_train_network"),
+    ("move text encoders to ", "text_encoder", "kohya sd-scripts hunyuan_image_train_network ('... to encode')"),
+    ("cache text encoder outputs for", "text_encoder", "kohya sd-scripts and musubi-tuner, the sample prompts"),
+    # musubi-tuner (hv_train_network.py, wan_train_network.py, *_cache_text_encoder_outputs.py)
+    ("encoding with text encoder", "text_encoder", "musubi-tuner ('encoding with Text Encoder 1')"),
+    ("encoding with t5", "text_encoder", "musubi-tuner wan_cache_text_encoder_outputs"),
+    # AI Toolkit (jobs/process/BaseSDTrainProcess.py, toolkit/dataloader_mixins.py)
+    ("generating first sample", "sample", "AI Toolkit BaseSDTrainProcess ('from first sample config')"),
+    ("caching text_embeddings", "text_encoder", "AI Toolkit dataloader_mixins.cache_text_embeddings"),
 )
+# One search a line for all of them (a loop of substring tests was most of the cost of a long log).
+_LINE_PHASE = re.compile("|".join(re.escape(marker) for marker, _, _ in LINE_PHASES))
+_LINE_PHASE_OF = {marker: phase for marker, phase, _ in LINE_PHASES}
 # A line that starts a phase by its first word, after any logger prefix: AI Toolkit prints "Loading
 # <part>" and "Quantizing <part>" for every part it loads (Transformer 1/2, UMT5EncoderModel, Mistral).
 LINE_STARTS: tuple[tuple[str, str, str], ...] = (
     ("loading ", "load", "AI Toolkit, musubi-tuner, transformers ('Loading checkpoint shards')"),
     ("quantizing ", "load", "AI Toolkit quantizing each part it loads"),
+    ("building ", "load", "kohya sd-scripts building each model it loads ('building U-Net', 'Building CLIP-L')"),
 )
+# kohya and musubi print the step of a sample: "generating sample images at step / サンプル画像生成 ステップ: 150".
+_SAMPLE_STEP = re.compile(r"generating sample images at step[^:\n]{0,40}: ?(\d{1,9})")
 
 # -- which progress bar counts training steps ---------------------------------------------------------
 # tqdm: "DESC:  12%|##        | 240/2000 [01:02<07:35,  3.86it/s, POSTFIX]". The training bar is
@@ -241,12 +271,13 @@ class Verdict:
 
 
 def classify(error: BaseException | str, conservative: bool = False,
-             occupied_at_start: bool = False) -> Verdict:
+             occupied_at_start: bool = False, before_training: bool = False) -> Verdict:
     """Classify an exception or log text.
 
     `conservative`: the configuration was already minimal (batch 1, checkpointing on, small
     buckets), so "nothing free" means the card. `occupied_at_start`: another process held the card
-    before the job began (a preflight reading).
+    before the job began (a preflight reading). `before_training`: no training step had completed, so
+    a cuBLAS handle that could not be created (LOAD_MARKERS) was memory.
     """
     if isinstance(error, BaseException):
         text = f"{type(error).__name__}: {error}"
@@ -259,7 +290,8 @@ def classify(error: BaseException | str, conservative: bool = False,
         frames, files = frames_of_text(text)
         is_oom_type = False
         host = host_marker(text)
-    marker = next((m for m, _ in OOM_MARKERS if m in text), None)
+    markers = OOM_MARKERS + (LOAD_MARKERS if before_training else ())
+    marker = next((m for m, _ in markers if m in text), None)
     if not is_oom_type and marker is None and host is None:
         return Verdict(False, "not_oom", _message_line(text))
     if marker is None and host is not None:
@@ -271,14 +303,14 @@ def classify(error: BaseException | str, conservative: bool = False,
     return verdict if reason is None else replace(verdict, kind="environment", reason=reason)
 
 
-def phase_of_frames(function_names: list[str], files: list[str] | None = None) -> str | None:
+def phase_of_frames(function_names: list[str], files: list[str] | None = None, loop: bool = True) -> str | None:
     """The phase a traceback names, outermost frame first in the lists.
 
     A sampling frame anywhere makes it "sample" (a validation loads a pipeline and encodes prompts:
     still the sample's memory); a caching script makes it its cache; otherwise the innermost frame
     that names a phase's work (an AI Toolkit step that encodes its captions on the fly runs out in
-    `encode_prompt`, not in training); then torch moving weights (load); then a training loop
-    around an unnamed forward (train)."""
+    `encode_prompt`, not in training); then torch moving weights (load); then, with `loop`, a
+    training loop around an unnamed forward (train): the weakest, which a progress line may overrule."""
     files = files or [""] * len(function_names)
     named = [_frame_phase(name) for name in function_names]
     if "sample" in named:
@@ -292,6 +324,8 @@ def phase_of_frames(function_names: list[str], files: list[str] | None = None) -
             return phase
     if any(name in _MOVE_FRAMES for name in function_names):
         return "load"
+    if not loop:
+        return None
     in_training = any(name in _TRAIN_FUNCS for name in function_names) or any(
         _TRAIN_FILE.search(f.replace("\\", "/").rsplit("/", 1)[-1]) for f, name in zip(files, function_names)
         if f and name != "<module>")
@@ -299,9 +333,14 @@ def phase_of_frames(function_names: list[str], files: list[str] | None = None) -
 
 
 def _frame_phase(name: str) -> str | None:
-    if name in _FRAME_PHASE:
-        return _FRAME_PHASE[name]
-    return next((phase for pattern, phase in _FRAME_SHAPES if pattern.match(name)), None)
+    """The phase a function's name says, also under leading underscores (kohya's `_load_target_model`)."""
+    for candidate in dict.fromkeys((name, name.lstrip("_"))):
+        if candidate in _FRAME_PHASE:
+            return _FRAME_PHASE[candidate]
+        shaped = next((phase for pattern, phase in _FRAME_SHAPES if pattern.match(candidate)), None)
+        if shaped:
+            return shaped
+    return None
 
 
 def frames_of_text(text: str) -> tuple[list[str], list[str]]:
@@ -353,6 +392,22 @@ class OomEvent:
 
 
 @dataclass(frozen=True)
+class Failure:
+    """What ended a run that shows no OOM: its error, or a traceback the log ends inside, cut before its
+    exception line (a paste that stopped short, a terminal's scrollback)."""
+
+    line: int  # the error line, or the cut traceback's first line
+    error: str | None  # the exception line; None when the traceback is cut
+    phase: str  # from its traceback's frames, else the progress lines before it; "unknown"
+    step: int | None  # the training step running (for a sample: the step it followed); None before step 1
+    frame: str | None  # the innermost function its traceback shows
+
+    @property
+    def cut(self) -> bool:
+        return self.error is None
+
+
+@dataclass(frozen=True)
 class LogScan:
     events: tuple[OomEvent, ...]
     last_step: int | None  # last training step completed
@@ -360,6 +415,7 @@ class LogScan:
     last_error: str | None  # the last exception line, for a log without an OOM
     last_error_line: int | None
     lines: int
+    failure: Failure | None = None  # the error (or cut traceback) that ended the run, OOM or not
 
 
 @dataclass
@@ -385,7 +441,24 @@ class _Walk:
     total_steps: int | None = None
     job_name: str | None = None
     clusters: list[_Cluster] = field(default_factory=list)
-    errors: list[tuple[int, str]] = field(default_factory=list)  # (line number, exception line)
+    errors: list[tuple[_Mark, str]] = field(default_factory=list)  # where, and the exception line
+    tracebacks: list[_Mark] = field(default_factory=list)  # each "Traceback (most recent call last)"
+    bars: list[tuple[int, int]] = field(default_factory=list)  # (record index, steps done) of each training bar
+
+    def mark(self, index: int, number: int, aitk: bool = False) -> _Mark:
+        return _Mark(index, number, self.phase, self.step_done, self.training_started, aitk)
+
+
+@dataclass(frozen=True)
+class _Mark:
+    """A line's place in the walk, with the phase and steps done when it came."""
+
+    index: int  # into the records
+    number: int  # line number
+    phase: str
+    step_done: int | None
+    training_started: bool
+    aitk: bool = False  # AI Toolkit's "Error running job:", printed before its traceback
 
 
 def scan_log(text: str) -> LogScan:
@@ -393,14 +466,18 @@ def scan_log(text: str) -> LogScan:
     records = _records(text)
     walk = _Walk()
     for index, (number, line) in enumerate(records):
-        _follow_phase(walk, line)
-        if _is_oom_line(line):
+        _follow_phase(walk, index, line)
+        if _TRACEBACK in line:
+            walk.tracebacks.append(walk.mark(index, number))
+        if _is_oom_line(line) or (not walk.step_done and any(m in line for m, _ in LOAD_MARKERS)):
             _add_to_cluster(walk, index, line)
         else:
-            _note_error(walk, number, line)
+            _note_error(walk, index, number, line)
+    _settle_done_after(walk)
     events = tuple(_event(records, cluster) for cluster in walk.clusters)
-    error_line, error = _last_error(walk.errors)
-    return LogScan(events, walk.step_done, walk.total_steps, error, error_line, records[-1][0] if records else 0)
+    error_line, error = _last_error([(mark.number, text) for mark, text in walk.errors])
+    return LogScan(events, walk.step_done, walk.total_steps, error, error_line, records[-1][0] if records else 0,
+                   _failure(records, walk))
 
 
 def _records(text: str) -> list[tuple[int, str]]:
@@ -411,30 +488,69 @@ def _records(text: str) -> list[tuple[int, str]]:
     return out
 
 
-def _follow_phase(walk: _Walk, line: str) -> None:
-    name = _JOB_NAME.search(line)
+def _follow_phase(walk: _Walk, index: int, line: str) -> None:
+    name = _JOB_NAME.search(line) if "Running job:" in line else None
     if name:  # a new AI Toolkit job: everything starts again
         walk.phase, walk.training_started, walk.step_done, walk.job_name = "load", False, None, name.group(1)
         return
-    lower = line.lower()
-    for marker, phase, _ in LINE_PHASES:
-        if marker in lower and (phase in ("sample", "train") or not walk.training_started):
-            walk.phase = phase
-            if phase == "train":  # "running training": a (new) training loop begins
-                walk.training_started, walk.step_done = True, 0
-            break
-    else:
-        start = _LOG_PREFIX.sub("", lower.lstrip())
-        phase = next((phase for word, phase, _ in LINE_STARTS if start.startswith(word)), None)
-        if phase and not walk.training_started:
-            walk.phase = phase
+    phase = _marked_phase(line)
+    if phase and (phase in ("sample", "train") or not walk.training_started):
+        walk.phase = phase
+        if phase == "train":  # "running training": a (new) training loop begins
+            walk.training_started, walk.step_done = True, 0
+    sample = _SAMPLE_STEP.search(line) if phase == "sample" else None
+    if sample and int(sample.group(1)) > 0:  # a sample after step N: training ran N steps
+        walk.training_started, walk.step_done = True, max(walk.step_done or 0, int(sample.group(1)))
     bar = _bar(line)
     if bar and _is_training_bar(bar, walk.job_name):
         done = int(bar.group("n"))
-        for cluster in walk.clusters:
-            cluster.done_after = max(cluster.done_after, done)
+        walk.bars.append((index, done))
+        if walk.clusters:  # only the latest failure can still grow; the others are settled at the end
+            walk.clusters[-1].done_after = max(walk.clusters[-1].done_after, done)
         walk.training_started, walk.step_done, walk.total_steps = True, done, int(bar.group("total"))
         walk.phase = "train"
+
+
+def phase_of_line(line: str, job_name: str | None = None) -> str | None:
+    """The phase one log line marks, or None: a line a trainer prints on entering a phase (LINE_PHASES,
+    LINE_STARTS: AI Toolkit, kohya sd-scripts, musubi-tuner, diffusers), else "train" for a training
+    progress bar (kohya's and musubi's "steps:", AI Toolkit's bar named for its job: give `job_name`).
+
+    One line, no state, for a reader that follows a running trainer's log line by line (a trainer probe)
+    as `scan_log` does: what the order adds is the caller's. Once training has started only "sample" and
+    "train" move the phase (nothing loads again), and a sample keeps the step it followed.
+    """
+    phase = _marked_phase(line)
+    if phase:
+        return phase
+    bar = _bar(line)
+    return "train" if bar and _is_training_bar(bar, job_name) else None
+
+
+def _marked_phase(line: str) -> str | None:
+    lower = line.lower()
+    hit = _LINE_PHASE.search(lower)
+    if hit:
+        return _LINE_PHASE_OF[hit.group(0)]
+    start = _LINE_PREFIX.sub("", lower.lstrip(), count=1)
+    return next((phase for word, phase, _ in LINE_STARTS if start.startswith(word)), None)
+
+
+# What loggers put before a message: "[2024-09-09 17:43:35] [INFO] " (fluxgym, GUIs), kohya's rich
+# handler "2024-09-06 10:53:11 INFO     ", Python logging's "INFO:musubi_tuner.hv_train_network:".
+_LINE_PREFIX = re.compile(r"^(?:\[[^\]\n]{0,200}\][ \t]*|\d{4}-\d\d-\d\d[ t]\d\d:\d\d:\d\d(?:[.,]\d{1,6})?[ \t]*"
+                          r"|(?:info|warning|error|debug)(?::[\w.]{1,200}:|[ \t]+)){1,6}")
+
+
+def _settle_done_after(walk: _Walk) -> None:
+    """Each failure's most training steps done after its last line, in one pass from the end (updating
+    every failure at every bar was quadratic: 10,000 bars and as many skipped batches)."""
+    best, j = -1, len(walk.bars) - 1
+    for cluster in reversed(walk.clusters):
+        while j >= 0 and walk.bars[j][0] > cluster.last:
+            best = max(best, walk.bars[j][1])
+            j -= 1
+        cluster.done_after = max(cluster.done_after, best)
 
 
 def _bar(line: str) -> re.Match | None:
@@ -462,7 +578,15 @@ def _is_training_bar(bar: re.Match, job_name: str | None) -> bool:
 
 
 def _is_oom_line(line: str) -> bool:
-    return any(marker in line for marker, _ in OOM_MARKERS) or host_marker(line) is not None
+    return any(key in line for key in OOM_KEYS) and _ANY_OOM.search(line) is not None
+
+
+# Every OOM and host marker in one pattern, tried only on a line that holds one of the few substrings
+# every marker has (a log is mostly other lines: 25 substring tests a line were most of its cost).
+_ANY_OOM = re.compile("|".join(re.escape(m) for m, _ in OOM_MARKERS + HOST_MARKERS) + "|" + _HOST_LINE.pattern,
+                      re.MULTILINE)
+OOM_KEYS = ("emory", "OOM", "CUBLAS", "CUDNN", "Allocation on", "oom-kill", "exitcode: -9", "exit status -9",
+            "SIGKILL", "Killed", "killed by")  # tests/test_oom.py checks every marker holds one
 
 
 def _add_to_cluster(walk: _Walk, index: int, line: str) -> None:
@@ -491,7 +615,7 @@ def _event(records: list[tuple[int, str]], cluster: _Cluster) -> OomEvent:
     end = _traceback_end(records, cluster.last)
     block = [line for _, line in records[start:end + 1]]
     text = "\n".join(block)
-    verdict = classify(text)
+    verdict = classify(text, before_training=cluster.done_at_last <= 0)
     phase, step, started = verdict.phase or cluster.phase, cluster.step, cluster.training_started
     after = _bar_after(records, cluster.last) if phase == "unknown" and step is None else None
     if after is not None:  # tqdm redrew the training bar as the run died: the step it was in
@@ -547,10 +671,134 @@ _ERROR_LINE = re.compile(r"(?:^|[\s\]])((?:[A-Za-z_]\w{0,80}\.){0,8}[A-Z]\w{0,80
 _LAUNCHER_ERRORS = ("CalledProcessError",)
 
 
-def _note_error(walk: _Walk, number: int, line: str) -> None:
+def _note_error(walk: _Walk, index: int, number: int, line: str) -> None:
+    if "Error" not in line and "Exception" not in line and "Interrupt" not in line:
+        return  # most lines: no need for the pattern
+    if _AITK_ERROR in line:  # AI Toolkit's run.py prints the error's text, then its traceback
+        walk.errors.append((walk.mark(index, number, aitk=True), line.split(_AITK_ERROR, 1)[1].strip()[:600]))
+        return
     match = _ERROR_LINE.search(line)
     if match and not line.lstrip().startswith(("File ", "raise ", "except ")):
-        walk.errors.append((number, match.group(1).strip()))
+        walk.errors.append((walk.mark(index, number), match.group(1).strip()))
+
+
+# ostris/ai-toolkit run.py: `print_acc(f"Error running job: {e}")` before it re-raises.
+_AITK_ERROR = "Error running job: "
+
+
+def _failure(records: list[tuple[int, str]], walk: _Walk) -> Failure | None:
+    """The run's last error, or the traceback the log ends inside; each with its phase and step."""
+    cut = _cut_traceback(records, walk)
+    if cut is not None:
+        start = _chain_start(records, walk, cut)
+        # Its outer frames (the script, the loop) and its inner ones (the work), however long it is.
+        kept = records[start:] if len(records) - start <= 400 else records[start:start + 200] + records[-200:]
+        block = [line for _, line in kept]
+        phase, frame = _phase_of_block(block, cut.phase, cut=True)
+        return Failure(cut.number, None, phase, _step_at(cut, phase), frame)
+    real = [e for e in walk.errors if not e[1].split(":")[0].endswith(_LAUNCHER_ERRORS)]
+    if not (real or walk.errors):
+        return None
+    mark, error = (real or walk.errors)[-1]
+    if mark.aitk:
+        start, end = mark.index, _traceback_end(records, mark.index)
+    else:
+        start, end = _traceback_start(records, mark.index), mark.index
+    phase, frame = _phase_of_block([line for _, line in records[start:end + 1]], mark.phase, cut=False)
+    return Failure(mark.number, error, phase, _step_at(mark, phase), frame)
+
+
+def _cut_traceback(records: list[tuple[int, str]], walk: _Walk) -> _Mark | None:
+    """The last traceback, when the log ends inside it: no exception line or OOM after it, and
+    nothing but frames, their source lines and blank lines to the end."""
+    if not walk.tracebacks:
+        return None
+    last = walk.tracebacks[-1]
+    if walk.errors and (walk.errors[-1][0].index > last.index
+                        or (walk.errors[-1][0].aitk and last.index - walk.errors[-1][0].index <= 40)):
+        return None  # its exception line came, or AI Toolkit printed the error first
+    if walk.clusters and walk.clusters[-1].last >= last.index - 40:
+        return None  # an OOM's traceback
+    return last if _only_traceback(line for _, line in records[last.index + 1:]) else None
+
+
+def _chain_start(records: list[tuple[int, str]], walk: _Walk, last: _Mark) -> int:
+    """Where the chain of tracebacks that ends in the cut one begins: a DataLoader worker's
+    "Original Traceback" comes after the traceback of the loop that fetched the batch."""
+    start = last.index
+    for mark in reversed(walk.tracebacks[:-1]):
+        between = [line for _, line in records[mark.index + 1:start]]
+        if start - mark.index > 400 or not _only_traceback(between, errors_too=True):
+            break
+        start = mark.index
+    return start
+
+
+def _only_traceback(lines, errors_too: bool = False) -> bool:
+    """Whether every line is part of a traceback: a frame, the source line under it (indented or not),
+    an indented line or carets, a rich box, a header, a blank, a chained exception's sentence (and, with
+    `errors_too`, an error line)."""
+    after_frame = False
+    for line in lines:
+        core = _TRACEBACK_PREFIX.sub("", line, count=1)
+        if _FRAME.search(core):
+            after_frame = True
+            continue
+        stripped = core.strip()
+        if not (not stripped or after_frame or core[:1] in " \t" or stripped[:1] in "│╭╰┃^~" or _TRACEBACK in core
+                or stripped.startswith(_CHAINED) or (errors_too and _ERROR_LINE.search(core))):
+            return False
+        after_frame = False
+    return True
+
+
+_TRACEBACK_PREFIX = re.compile(r"^(?:\[rank\d{1,6}\]:|> ?|\[[^\]\n]{0,200}\] ?(?:\[[A-Z]{1,10}\] ?)?)")
+_CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+# Calls on a frame's source line: `train_dataset_group.cache_latents(vae, ...` (a cut traceback's
+# innermost frame shows where it was going; a rich box marks the failing line with ❱).
+_CALL = re.compile(r"(\w{1,200})\(")
+# A forward, backward or batch fetch under a training loop: what makes an unnamed error a training step's.
+_STEP_WORK = frozenset({"forward", "_call_impl", "_wrapped_call_impl", "backward", "__next__", "_next_data"})
+
+
+def _phase_of_block(block: list[str], progress_phase: str, cut: bool) -> tuple[str, str | None]:
+    """(phase, innermost function) of a failure's traceback: the frames that name a phase's work, then
+    the progress line before it, then a training loop around a forward, backward or batch fetch."""
+    text = "\n".join(block)
+    names, files = frames_of_text(text)
+    calls = _calls_on_last_frame(text) if cut else []  # they stand for the frames cut off below the last one
+    # The innermost frame that names a phase's work, else such a call, else the innermost frame shown.
+    frame = next((name for name in [*reversed(names), *reversed(calls)] if _frame_phase(name)),
+                 names[-1] if names else None)
+    names, files = names + calls, files + [""] * len(calls)
+    named = phase_of_frames(names, files, loop=False)
+    if named:
+        return named, frame
+    if progress_phase != "unknown":
+        return progress_phase, frame
+    if any(name in _STEP_WORK for name in names):
+        return phase_of_frames(names, files) or "unknown", frame
+    return "unknown", frame
+
+
+def _calls_on_last_frame(text: str) -> list[str]:
+    last = None
+    for last in _FRAME.finditer(text):
+        pass
+    if last is None:
+        return []
+    below = text[last.end():last.end() + 2000].split("\n")[1:9]
+    marked = [line for line in below if "❱" in line]  # rich: the failing line
+    return _CALL.findall(marked[0] if marked else (below[0] if below else ""))
+
+
+def _step_at(mark: _Mark, phase: str) -> int | None:
+    """The step running at a mark: the one after the last done, or for a sample the one it followed."""
+    if not mark.training_started or mark.step_done is None:
+        return None
+    if phase == "sample":
+        return mark.step_done or None
+    return mark.step_done + 1
 
 
 def _last_error(errors: list[tuple[int, str]]) -> tuple[int | None, str | None]:
