@@ -42,11 +42,11 @@ def load(path: str | Path, script: str | None = None, arch: str | None = None) -
     if suffix == ".toml":
         return _from_toml(path, text, script, arch)
     if suffix in ("", ".txt", ".cfg", ".conf"):
-        try:
-            return _from_toml(path, text, script, arch)
-        except UserError:
-            pass
-        return jobconfig.load(path)
+        for reader in (lambda: _from_toml(path, text, script, arch), lambda: jobconfig.load(path)):
+            try:
+                return reader()
+            except UserError:
+                continue
     raise UserError(f"{path}: not a job file fitfinder reads; it reads {FORMATS}")
 
 
@@ -146,8 +146,9 @@ def _from_toml(path: Path, text: str, script: str | None, arch: str | None) -> K
     flat = _toml.flattened(data)
     name = script or next((found for trainer in KOHYA for found in [trainer.infer_script(flat)] if found), None)
     if name is None:
-        raise UserError(f"{path}: its keys do not say which script it is for; give --script NAME "
-                        f"({', '.join(n for t in KOHYA for n in t.SCRIPTS)})")
+        raise UserError(f"{path}: read as a kohya --config_file TOML, but its keys do not say which script it is "
+                        f"for; give --script NAME ({', '.join(n for t in KOHYA for n in t.SCRIPTS)}); fitfinder "
+                        f"reads {FORMATS}")
     trainer, found = script_of(name)
     job = KohyaJob(trainer=trainer, script=found, source=str(path), form="toml", arch=arch)
     _read_config(job, path)
