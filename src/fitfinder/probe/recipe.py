@@ -408,7 +408,8 @@ def _autocast(pipe, request: dict):
     dtype = (request.get("trainer") or {}).get("autocast")
     if not dtype:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=pipe.meter.device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    return torch.autocast(device_type=pipe.meter.device.type, dtype=compute)
 
 
 def step_timing(schedule: list[tuple[int, int]], timings: list[float]) -> tuple[float, float]:
