@@ -43,7 +43,10 @@ def estimate(job: str, cache: Path | None) -> dict | None:
     name = ("aitk_" if job.endswith(".yaml") else "") + Path(job).stem
     if cache is not None:
         found = cache / f"{name}.json"
-        return json.loads(found.read_text()) if found.is_file() else None
+        try:
+            return json.loads(found.read_text())
+        except (OSError, ValueError):  # not there, or still being written
+            return None
     result = subprocess.run([sys.executable, "-m", "fitfinder", "estimate", str(ROOT / "examples" / job), "--json"],
                             capture_output=True, text=True, cwd=ROOT)
     return json.loads(result.stdout) if result.stdout.strip() else None
@@ -61,7 +64,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--from", dest="cache", type=Path, help="read NAME.json files instead of estimating")
     args = parser.parse_args()
-    print("| job | published | the trainer's recipe | ratio | AI Toolkit's recipe | ratio | text_encoder phase |")
+    print("| job | published | the trainer's recipe (its highest phase) | ratio | AI Toolkit's recipe | ratio | "
+          "train phase |")
     print("|---|---|---|---|---|---|---|")
     for job, aitk, published, words in ROWS:
         own, own_peak = _cell(estimate(job, args.cache))
@@ -70,8 +74,8 @@ def main() -> None:
         ratio = f"{own_peak / card:.2f}" if own_peak else "-"
         their_ratio = f"{theirs_peak / card:.2f}" if theirs_peak else "-"
         found = estimate(job, args.cache)
-        text = f"{found['phases']['text_encoder'] / GiB:.1f} GiB" if found else "-"
-        print(f"| `{job}`: {words} | {published} GB | {own} | {ratio} | {theirs} | {their_ratio} | {text} |")
+        train = f"{found['phases']['train'] / GiB:.1f} GiB" if found else "-"
+        print(f"| `{job}`: {words} | {published} GB | {own} | {ratio} | {theirs} | {their_ratio} | {train} |")
 
 
 if __name__ == "__main__":

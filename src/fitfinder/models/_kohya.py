@@ -165,7 +165,6 @@ def swap_blocks(pipe, part: str, swapped: dict[str, int]) -> int:
             count += 1
     if count:
         module.to = _offload._managed_to(module)  # placing the part leaves the swapped weights be
-    pipe.offloaded.add(part) if count else None
     return count
 
 
