@@ -31,6 +31,10 @@ NameArg = typer.Argument(..., help="Study name (as in studies/NAME.db and result
 StorageOpt = typer.Option(None, "--storage", help="Optuna storage URL [sqlite:///studies/NAME.db].")
 StudiesDirOpt = typer.Option(Path("studies"), "--studies-dir", help="Where SQLite studies live.")
 ResultsDirOpt = typer.Option(Path("results"), "--results-dir", help="Where results/NAME/ goes.")
+ScriptOpt = typer.Option(None, "--script", help="The kohya script a --config_file TOML is for, where its keys do not "
+                                                "say (flux_train_network.py, qwen_image_train_network.py).")
+ArchOpt = typer.Option(None, "--arch", help="A kohya job's model as this shipped architecture (e.g. flux-tiny, "
+                                            "random weights) instead of its checkpoint's.")
 
 
 def _friendly(command):
@@ -81,6 +85,8 @@ def search(
         None, "--guided/--no-guided",
         help="Plan on estimates and probe only where they cannot decide (near the limit), the speed "
              "settings' timings and the winner's proof [on with --gpu, off with the sim meter]."),
+    script: Optional[str] = ScriptOpt,
+    arch: Optional[str] = ArchOpt,
     json_output: bool = JsonOpt,
 ) -> None:
     """Search the best configuration that fits; export it as results/NAME/best.yaml."""
@@ -90,7 +96,9 @@ def search(
     from fitfinder.units import format_bytes
 
     out = Output(json_output, fancy=False if worker else None)
-    job = _load(job_file, vram=vram, margin=margin, trials=trials, probe_steps=probe_steps, timeout=timeout)
+    job = _load(job_file, vram=vram, margin=margin, trials=trials, probe_steps=probe_steps, timeout=timeout,
+                script=script, arch=arch)
+    _notes(out, job)
     budget_given = job.settings.vram_bytes is not None
     meter, gpus = _meter(gpu, job, out)
     if workers < 1:
@@ -153,6 +161,8 @@ def probe(
     vram: Optional[str] = VramOpt,
     steps: Optional[int] = typer.Option(None, "--steps", help="Training steps [probe_steps, 20]."),
     timeout: Optional[float] = typer.Option(None, "--timeout", help="Seconds before the probe is killed [600]."),
+    script: Optional[str] = ScriptOpt,
+    arch: Optional[str] = ArchOpt,
     json_output: bool = JsonOpt,
 ) -> None:
     """Run one probe of the job file as written and print the peak of each phase.
@@ -166,7 +176,9 @@ def probe(
     from fitfinder.units import format_bytes
 
     out = Output(json_output)
-    job = _load(job_file, vram=vram, probe_steps=steps, timeout=timeout, names={"probe_steps": "--steps"})
+    job = _load(job_file, vram=vram, probe_steps=steps, timeout=timeout, names={"probe_steps": "--steps"},
+                script=script, arch=arch)
+    _notes(out, job)
     meter, gpus = _meter(gpu, job, out, need_budget=False)
     gpu_index = gpus[0]
     request = probing.request_for(job, job.settings.probe_steps, meter, job.settings.vram_bytes, gpu_index)
@@ -202,6 +214,8 @@ def estimate(
                                                                "the highest-quality point predicted to fit."),
     trials: Optional[int] = typer.Option(None, "--trials", help="With --search: stop after this many estimates [40]."),
     timeout: Optional[float] = typer.Option(None, "--timeout", help="Seconds before an estimate is killed [600]."),
+    script: Optional[str] = ScriptOpt,
+    arch: Optional[str] = ArchOpt,
     json_output: bool = JsonOpt,
 ) -> None:
     """Predict the peak memory of each phase on the CPU: no GPU, no weights, seconds.
@@ -215,7 +229,8 @@ def estimate(
     from fitfinder.results.output import Output
 
     out = Output(json_output)
-    job = _load(job_file, vram=vram, margin=margin, trials=trials, timeout=timeout)
+    job = _load(job_file, vram=vram, margin=margin, trials=trials, timeout=timeout, script=script, arch=arch)
+    _notes(out, job)
     if card is not None and no_overhead:
         raise UserError("--card and --no-overhead contradict each other: give one of them")
     model = overhead.GpuOverhead.none() if no_overhead else (
@@ -311,6 +326,8 @@ def tiers(
     study: Optional[str] = typer.Option(None, "--study", help="Name for results/NAME/ [config.name]."),
     results_dir: Path = ResultsDirOpt,
     timeout: Optional[float] = typer.Option(None, "--timeout", help="Seconds before an estimate is killed [600]."),
+    script: Optional[str] = ScriptOpt,
+    arch: Optional[str] = ArchOpt,
     json_output: bool = JsonOpt,
 ) -> None:
     """The best configuration predicted to fit each card size, on estimates (no GPU): results/NAME/tiers.json."""
@@ -320,7 +337,8 @@ def tiers(
     from fitfinder.units import format_bytes
 
     out = Output(json_output)
-    job = _load(job_file, margin=margin, timeout=timeout)
+    job = _load(job_file, margin=margin, timeout=timeout, script=script, arch=arch)
+    _notes(out, job)
     sizes = tiering.parse_cards(cards)
     if card is not None and no_overhead:
         raise UserError("--card and --no-overhead contradict each other: give one of them")
@@ -486,19 +504,28 @@ def _short(value) -> str:
     return one_line(value, 40)
 
 
-def _load(job_file: Path, vram: Optional[str] = None, names: Optional[dict] = None, **options):
-    """Read and validate the job file, then let command-line options win over `fitfinder:`
-    (`names`: an option's name where it is not --key-with-dashes)."""
-    from fitfinder import jobconfig
+def _load(job_file: Path, vram: Optional[str] = None, names: Optional[dict] = None, script: Optional[str] = None,
+          arch: Optional[str] = None, **options):
+    """Read and validate the job file, in its trainer's form (fitfinder.trainers.load), then let
+    command-line options win over `fitfinder:` (`names`: an option's name where it is not --key-with-dashes)."""
+    from fitfinder import trainers
     from fitfinder.units import parse_budget
 
-    job = jobconfig.load(job_file)
+    job = trainers.load(job_file, script=script, arch=arch)
     _check_options(options, names or {})
     overrides = {key: value for key, value in options.items() if key != "timeout"}
     overrides["probe_timeout"] = options.get("timeout")
     overrides["vram_bytes"] = parse_budget(vram, "--vram") if vram is not None else None
     job.settings = job.settings.with_options(**overrides)
     return job
+
+
+def _notes(out, job) -> None:
+    """What a trainer's job says about itself: which architecture and from where, what is not modelled."""
+    if hasattr(job, "architecture_spec"):
+        job.architecture_spec()
+    for note in getattr(job, "notes", []):
+        out.note(note)
 
 
 def _check_outputs(job, out_dir: Path, studies_dir: Optional[Path]) -> None:

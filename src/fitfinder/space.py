@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 from fitfinder.errors import ConfigError
@@ -59,17 +59,22 @@ class Knob:
     paths: tuple[str, ...]  # the job-file keys it writes
     phases: frozenset  # probe phases whose peak memory it changes
     unordered: frozenset = frozenset()  # phases where more is not always heavier: compare for equality
+    # A trainer's own knob (trainers/: a kohya job's): its name in that trainer's words, how its
+    # values read, and how it writes itself into the job (else the AI Toolkit rules below).
+    title: str = ""
+    labeler: Callable[[Any], str] | None = field(default=None, compare=False)
+    writer: Callable | None = field(default=None, compare=False)
 
     def level(self, value: Any) -> int:
         return self.candidates.index(value)
 
     def label(self, value: Any) -> str:
-        return _LABELS.get(self.name, str)(value)
+        return self.labeler(value) if self.labeler else _LABELS.get(self.name, str)(value)
 
     @property
     def short(self) -> str:
-        """The name in trial lines and tables, where width is scarce."""
-        return _SHORT.get(self.name, self.name)
+        """The name in trial lines and tables, where width is scarce (a trainer's knob: its own name)."""
+        return self.title or _SHORT.get(self.name, self.name)
 
 
 class Space:
@@ -79,7 +84,8 @@ class Space:
         self.knobs = tuple(knobs)
         self.by_name = {knob.name: knob for knob in knobs}
         self.job = job
-        self.effective_batch = int(job.get("train.batch_size")) * job.accumulation
+        own = getattr(job, "effective_batch", None)  # a trainer's job answers it (trainers/)
+        self.effective_batch = own if own is not None else int(job.get("train.batch_size")) * job.accumulation
 
     # -- points --------------------------------------------------------------------------
     @property
@@ -134,6 +140,8 @@ class Space:
 
     def phases_run(self, point: Point) -> list[str]:
         """The phases a probe of `point` runs: every one, but the previews it does not sample."""
+        if hasattr(self.job, "phases_run"):  # a trainer's job says when its trainer samples (trainers/)
+            return self.job.phases_run(point)
         sampling = point.get("sampling", not self.job.get("train.disable_sampling"))
         skipped = {"sample", "last_sample"} if not sampling else set()
         if self.job.get("train.skip_first_sample"):
@@ -157,7 +165,7 @@ class Space:
         out = job.copy()
         for knob in self.knobs:
             if point[knob.name] != knob.desired:
-                _APPLY[knob.name](out, point[knob.name], self)
+                (knob.writer or _APPLY[knob.name])(out, point[knob.name], self)
         return out
 
     def changes(self, point: Point) -> list[tuple[str, Any, Any]]:
@@ -177,6 +185,9 @@ class Space:
 def build(job: JobFile) -> Space:
     """The space around the job's desired point, with the `fitfinder:` candidate overrides."""
     from fitfinder.models import is_video
+
+    if hasattr(job, "knob_specs"):  # a trainer's job declares its knobs in its own names (trainers/)
+        return Space(_prioritized([Knob(**vars(spec)) for spec in job.knob_specs()], job.settings.priorities), job)
 
     overrides = job.settings.candidates
     video = is_video(job)

@@ -159,6 +159,8 @@ def frame_ladder(job, desired: int) -> list[int]:
 
 def model_spec(job) -> dict[str, Any]:
     """What a probe needs to build the job's model: family, architecture, where the weights are."""
+    if hasattr(job, "model_spec"):  # a trainer's job (fitfinder.trainers) reads its own checkpoints
+        return job.model_spec()
     family = family_of(job)
     name = str(job.get("model.name_or_path", None) or "")
     if job.settings.weights == "random":
@@ -176,6 +178,8 @@ def architecture_spec(job) -> dict[str, Any]:
     name (or of any name with `fitfinder: {weights: random}`); otherwise the Hugging Face cache's
     snapshot, read offline. Nothing is downloaded and no weight file is opened.
     """
+    if hasattr(job, "architecture_spec"):  # a trainer's job (fitfinder.trainers): its checkpoint's header
+        return job.architecture_spec()
     family = family_of(job)
     name = str(job.get("model.name_or_path", None) or "")
     local = Path(name).expanduser() if name else None

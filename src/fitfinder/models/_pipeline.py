@@ -74,6 +74,10 @@ def load(spec: dict, settings: dict, meter) -> Pipeline:
     follows another comes with it (Family.after_load).
     """
     pipe = Pipeline(spec, settings, meter)
+    if settings.get("trainer"):  # a kohya trainer's own loading, fp8 and block swap (models/_kohya.py)
+        from fitfinder.models import _kohya
+
+        return _kohya.load(pipe, spec, settings)
     family, low_vram = pipe.family, settings["low_vram"]
     qtypes = {part: _quantization(family, part, settings) for part in family.parts}
     quantized = {part for part, qtype in qtypes.items() if qtype}

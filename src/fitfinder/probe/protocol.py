@@ -36,6 +36,22 @@ class SampleSettings(TypedDict):
     guidance_scale: float
 
 
+class TrainerRecipe(TypedDict):
+    """A kohya trainer's own recipe (fitfinder.trainers: sd_scripts.recipe, musubi_tuner.recipe),
+    followed by models/_kohya.py and recipe.resident in place of AI Toolkit's placement."""
+
+    name: str  # sd-scripts | musubi-tuner
+    script: str
+    weights: dict[str, str]  # part -> a dtype, "fp8" (cast, upcast per layer) or "fp8_scaled" (musubi's)
+    residency: dict[str, list[str]]  # phase -> the parts on the device
+    decode: list[str]  # the parts a preview's decode brings on top
+    autocast: Optional[str]  # every forward under torch.autocast in this dtype, or None
+    swapped: dict[str, int]  # block list -> how many of its last blocks keep their weights in host memory
+    lora_input_cast: bool  # peft's cast of a layer's input to the adapter's dtype (kohya's LoRA has none)
+    text_batch: int  # captions per step of the text encoders' caching pass
+    latent_batch: int  # images per step of the latents' caching pass
+
+
 class ProbeRequest(TypedDict):
     """Everything a probe needs, read from the job file with AI Toolkit's defaults."""
 
@@ -77,6 +93,7 @@ class ProbeRequest(TypedDict):
     prime_optimizer: NotRequired[bool]  # the optimizer's state made before the first step (the estimate)
     overhead: NotRequired[dict[str, Any]]  # the estimate meter's GPU overhead model (probe.overhead)
     fault: NotRequired[str]  # a test hook's injected failure (probe.faults)
+    trainer: NotRequired[TrainerRecipe]  # a kohya job's: its trainer's recipe (fitfinder.trainers)
 
 
 class PhaseStats(TypedDict, total=False):

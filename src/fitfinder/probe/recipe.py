@@ -165,6 +165,10 @@ def resident(phase: str, request: dict, family, active: str | None = None,
     `_by_the_presets`), as the family's Placement changes them (Family.resident_in, the one place
     that reads a part's rules after load). `active`: the denoiser predicting, else the first
     trained one; `preview_step`: "denoise" or "decode" inside a preview."""
+    trainer = request.get("trainer")
+    if trainer:  # a kohya trainer's own placement, phase by phase (fitfinder.trainers: its recipe)
+        decode = set(trainer.get("decode", ())) if preview_step == "decode" else set()
+        return set(trainer["residency"][phase]) | decode
     presets = _by_the_presets(phase, request, family)
     return family.resident_in(phase, presets, request["low_vram"], active or request["trained"][0], preview_step)
 
@@ -224,7 +228,9 @@ def _encode_text(pipe, request: dict) -> dict:
 
     encoders = {name: pipe.parts[name] for name in pipe.family.text_encoders}
     batch = request["batch_size"] if request["text_encoder"] == "keep" else 1
-    with torch.no_grad():
+    if request.get("trainer") and request["text_encoder"] == "cache":
+        batch = request["trainer"].get("text_batch", 1)  # the trainer's caching pass takes its own batch
+    with torch.no_grad(), _autocast(pipe, request):
         prompts = {"train": pipe.recipe.encode_prompts(encoders, batch)}
         if request["sample"]["first"] or request["sample"]["last"]:
             prompts["sample"] = pipe.recipe.encode_prompts(encoders, 1)
@@ -243,6 +249,8 @@ def _encode_latents(pipe, request: dict) -> None:
     resolution, frames = _heaviest(request)
     side = _accepted_size(pipe, resolution)
     batch = 1 if request["cache_latents"] else request["batch_size"]
+    if request.get("trainer") and request["cache_latents"]:
+        batch = request["trainer"].get("latent_batch", 1)  # the trainer's caching pass takes its own batch
     with torch.no_grad():
         latents = pipe.recipe.encode_images(pipe.parts["vae"], pipe.recipe.pixels(side, side, frames, batch))
     del latents
@@ -280,7 +288,7 @@ def _denoise_and_decode(pipe, request: dict, prompts: dict) -> None:
     height, width = _accepted_size(pipe, settings["height"]), _accepted_size(pipe, settings["width"])
     for name in pipe.family.denoisers:
         pipe.parts[name].eval()
-    with torch.no_grad():
+    with torch.no_grad(), _autocast(pipe, request):
         latents = recipe.inputs.randn(recipe.latent_shape(height, width, settings["frames"], 1))
         levels = [1.0 - i / settings["steps"] for i in range(settings["steps"])]
         for level, next_level in zip(levels, levels[1:] + [0.0]):
@@ -385,10 +393,23 @@ def _training_step(pipe, request: dict, prompts: dict, expert: str, resolution: 
     noise = recipe.inputs.randn(latents.shape)
     t = recipe.inputs.timesteps(latents.shape[0])
     noisy, target = recipe.noisy_and_target(latents, noise, t)
-    prediction = recipe.predict(pipe.parts[expert], noisy, t, prompts["train"])
+    with _autocast(pipe, request):
+        prediction = recipe.predict(pipe.parts[expert], noisy, t, prompts["train"])
     loss = F.mse_loss(prediction.float(), target.float()) / accumulation
     loss.backward()
     del latents, noise, noisy, target, prediction, loss
+
+
+def _autocast(pipe, request: dict):
+    """A kohya trainer's forward passes under autocast (accelerator.autocast(): each op in the
+    compute dtype, an fp8 weight upcast for its one op); AI Toolkit's run without."""
+    import torch
+
+    dtype = (request.get("trainer") or {}).get("autocast")
+    if not dtype:
+        return contextlib.nullcontext()
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    return torch.autocast(device_type=pipe.meter.device.type, dtype=compute)
 
 
 def step_timing(schedule: list[tuple[int, int]], timings: list[float]) -> tuple[float, float]:

@@ -25,6 +25,9 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
     """Everything a probe needs, read from the job file with AI Toolkit's defaults (`spec`: the
     model, when the caller has it another way, such as an estimate's weightless architecture;
     `fault`: a test hook's injected failure, see probe.faults). The one place a request is built."""
+    if hasattr(job, "probe_request"):  # a trainer's job maps itself, by its trainer's rules (trainers/)
+        return job.probe_request(steps=steps, meter=meter, budget_bytes=budget_bytes, gpu=gpu, spec=spec,
+                                 fault=fault, sample_steps=SAMPLE_STEPS)
     spec = spec or models.model_spec(job)
     family = models.FAMILIES[spec["family"]]
     qtype = job.qtype
@@ -78,7 +81,7 @@ def recipe_digest() -> str:
     architectures, the optimizers): a study made by another recipe may not answer for this one."""
     root = Path(__file__).resolve().parent.parent
     files = sorted([*root.glob("probe/*.py"), *root.glob("models/*.py"), *root.glob("archs/*.json"),
-                    root / "optimizers.py"])
+                    *root.glob("trainers/*.py"), root / "optimizers.py"])
     digest = hashlib.sha256()
     for path in files:
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")

@@ -140,7 +140,7 @@ def run(job, options: SearchOptions, out) -> SearchSummary | None:
     known, pending = studies.read(study, space, limit)
     sampler = FitSampler(space, limit, estimated.guide_for(options.guided, job, options.meter, options.gpu))
     proven = sampler.next_step(known, pending).point is None and not pending
-    best_file = Path(options.results_dir) / options.study_name / "best.yaml"
+    best_file = Path(options.results_dir) / options.study_name / getattr(job, "best_name", "best.yaml")
     return summarize(study, space, known, url, best_file, proven, settings.trials, settings.margin, options.meter,
                      studies.probes_in(study))
 
@@ -152,7 +152,7 @@ def _refuse_before_writing(job, options: SearchOptions) -> None:
     faults.kill_point()
     studies.heartbeat()
     studies.check_name(options.study_name)
-    best_file = (Path(options.results_dir) / options.study_name / "best.yaml").resolve()
+    best_file = (Path(options.results_dir) / options.study_name / getattr(job, "best_name", "best.yaml")).resolve()
     if Path(str(job.source)).resolve() == best_file:
         raise UserError(f"{job.source} is where this search writes its winner; copy it elsewhere "
                         "(or give --study NEW) to search from it")

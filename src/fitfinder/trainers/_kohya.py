@@ -1,0 +1,727 @@
+"""What kohya's two trainers share: a job read from a shell file or a `--config_file` TOML, its
+settings by their own names, its dataset TOML, and the job written back in the same form.
+
+sd-scripts and musubi-tuner read their arguments the same way (argparse; `--config_file` flattened
+into the namespace before the command line is parsed over it: train_util.py / parser_common.py
+read_config_from_file), so a value is, in order: the command line's, the config TOML's, the
+argument parser's default. `KohyaJob.get(name)` answers that, by the trainer's own option names;
+the dataset TOML's keys are `datasets[i].KEY` (the value the dataset takes after its fallbacks).
+
+The job is what space, the search and the results hold: `get`/`set` by name, `copy`, `write`
+(the same form: best.sh, or best.toml and best_dataset.toml), and the trainer's answers for the
+layers above (`knob_specs`, `probe_request`, `phases_run`, `architecture_spec`, `model_spec`).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from fitfinder import jobconfig, models
+from fitfinder.errors import ConfigError, UserError
+from fitfinder.jobconfig import Settings, brief, one_line, write_atomic
+from fitfinder.trainers import _safetensors, _shell, _toml
+
+BOOL, INT, FLOAT, STR, LIST = "bool", "int", "float", "str", "list"
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a trainer's argument parser, as its source declares it."""
+
+    kind: str  # bool (store_true), int, float, str, list (nargs="*")
+    default: Any
+    where: str  # the file and line of its add_argument
+
+
+@dataclass(frozen=True)
+class KnobSpec:
+    """A knob as a trainer declares it; space.Knob takes these fields (the layer above builds it)."""
+
+    name: str  # fitfinder's name for what it does (the planner's: buckets, rank, batch, ...)
+    role: str
+    candidates: tuple
+    desired: Any
+    paths: tuple[str, ...]  # the trainer's own option or dataset keys it writes
+    phases: frozenset
+    title: str  # the trainer's own name for it, in tables and trial lines
+    labeler: Callable[[Any], str]
+    writer: Callable  # (job, value, space) -> None
+    unordered: frozenset = frozenset()
+
+
+_MISSING = object()
+
+
+@dataclass
+class KohyaJob:
+    """A kohya job as the user wrote it, plus what fitfinder changed (by option name)."""
+
+    trainer: Any  # the trainer's module: sd_scripts or musubi_tuner
+    script: Any  # its Script for the job's script
+    source: str
+    form: str  # "shell" or "toml"
+    shell_text: str | None = None
+    command: _shell.Command | None = None
+    script_index: int = 0  # the script's word in the command
+    line_flags: dict[str, tuple[int, int, Any]] = field(default_factory=dict)  # name -> (first word, last+1, value)
+    launcher: dict[str, str] = field(default_factory=dict)  # accelerate launch's own options
+    config_path: Path | None = None
+    config_text: str | None = None
+    config: dict[str, Any] = field(default_factory=dict)  # flattened
+    config_tables: dict[str, tuple[str, int]] = field(default_factory=dict)  # key -> (table, occurrence)
+    dataset_path: Path | None = None
+    dataset_text: str | None = None
+    dataset: dict[str, Any] = field(default_factory=dict)
+    caching: list[dict[str, Any]] = field(default_factory=list)  # musubi's caching commands: script, flags
+    changes: dict[str, Any] = field(default_factory=dict)
+    settings: Settings = field(default_factory=Settings)
+    arch: str | None = None  # --arch: a shipped architecture instead of the checkpoint's
+    notes: list[str] = field(default_factory=list)  # what the output says about the job (not modelled, ...)
+
+    # -- reading ---------------------------------------------------------------------------
+    @property
+    def folder(self) -> Path:
+        return Path(self.source).resolve().parent
+
+    @property
+    def name(self) -> str:
+        return str(self.get("output_name") or Path(self.source).stem)
+
+    @property
+    def options(self) -> dict[str, Option]:
+        return self.trainer.options(self.script)
+
+    def get(self, key: str, default: Any = _MISSING) -> Any:
+        """The value the trainer runs with: fitfinder's change, the command line's, the config's, the default."""
+        if key.startswith("datasets[*]."):
+            return [self.get(f"datasets[{i}].{key[len('datasets[*].'):]}") for i in range(len(self.datasets))]
+        if key in self.changes:
+            return self.changes[key]
+        if key.startswith("datasets["):
+            return self._dataset_value(key)
+        if key in self.line_flags:
+            return self.line_flags[key][2]
+        if key in self.config:
+            return self.config[key]
+        if key in self.options:
+            return self.options[key].default
+        return None if default is _MISSING else default
+
+    def has(self, key: str) -> bool:
+        return key in self.changes or key in self.line_flags or key in self.config
+
+    def set(self, key: str, value: Any) -> None:
+        if key.startswith("datasets[*]."):
+            for i in range(len(self.datasets)):
+                self.set(f"datasets[{i}].{key[len('datasets[*].'):]}", value)
+            return
+        self.changes[key] = value
+
+    def copy(self) -> "KohyaJob":
+        twin = copy.copy(self)
+        twin.changes = dict(self.changes)
+        twin.settings = copy.deepcopy(self.settings)
+        return twin
+
+    @property
+    def datasets(self) -> list[dict]:
+        return list(self.dataset.get("datasets") or [])
+
+    def _dataset_value(self, key: str) -> Any:
+        index, _, name = key[len("datasets["):].partition("].")
+        return self.trainer.dataset_value(self, int(index), name)
+
+    # -- what the layers above ask ----------------------------------------------------------
+    @property
+    def accumulation(self) -> int:
+        return int(self.get("gradient_accumulation_steps") or 1)
+
+    @property
+    def effective_batch(self) -> int:
+        return max(int(self.get(f"datasets[{i}].batch_size")) for i in range(len(self.datasets))) * self.accumulation
+
+    @property
+    def best_name(self) -> str:
+        return "best.sh" if self.form == "shell" else "best.toml"
+
+    def knob_specs(self) -> list[KnobSpec]:
+        return self.trainer.knob_specs(self)
+
+    def probe_request(self, **run) -> dict:
+        return self.trainer.probe_request(self, **run)
+
+    def phases_run(self, point: dict) -> list[str]:
+        return self.trainer.phases_run(self, point)
+
+    def architecture_spec(self) -> dict:
+        return self.trainer.architecture_spec(self)
+
+    def model_spec(self) -> dict:
+        """Probes build the architecture with random weights: a kohya checkpoint is one file in the
+        trainer's own layout, which fitfinder's diffusers parts do not load."""
+        spec = self.architecture_spec()
+        return {**spec, "weights": "random"}
+
+    # -- writing ---------------------------------------------------------------------------
+    def files(self, stem: str, header: list[str] | None = None, folder: Path | None = None,
+              dest: Path | None = None) -> dict[str, str]:
+        """File name -> text of the job in its own form with fitfinder's changes: `{stem}.sh` (or
+        `{stem}.toml` for a config TOML), and `{stem}.toml` / `{stem}_dataset.toml` where their keys
+        changed (every file, naming each other by their paths in `folder`, when a folder is given)."""
+        return write_files(self, stem, header or [], folder, dest)
+
+    def write(self, path: str | Path, header: list[str] | None = None) -> Path:
+        """Write atomically beside `path`, named by its stem (best.yaml -> best.sh, best.toml and
+        best_dataset.toml); refuses to write over an input file. Returns the main file."""
+        path = Path(path)
+        texts = self.files(path.stem, header, dest=path.parent)
+        inputs = {Path(p).resolve() for p in (self.source, self.config_path, self.dataset_path) if p}
+        for name in texts:
+            if (path.parent / name).resolve() in inputs:
+                raise UserError(f"{path.parent / name}: refusing to write over an input file of the job")
+        main = None
+        for name, text in texts.items():
+            target = path.parent / name
+            write_atomic(target, text, mode=0o777 if name.endswith(".sh") else 0o666)
+            main = main or target
+        return main
+
+    def dumps(self, header: list[str] | None = None) -> str:
+        return next(iter(self.files("best", header).values()))
+
+
+# -- reading the files ------------------------------------------------------------------------
+def parse_flags(words: list[_shell.Word], options: dict[str, Option], source: str) -> dict[str, tuple[int, int, Any]]:
+    """The options after the script, by name: (first word, last word + 1, value), as argparse reads
+    them (`--name value`, `--name=value`, a switch alone, a list of values up to the next option).
+    An option the trainer's parser does not declare is kept with its words as written."""
+    flags, i = {}, 0
+    while i < len(words):
+        text = words[i].text
+        if not text.startswith("--"):
+            raise UserError(f"{source}: {brief(text)} is not an option of the trainer's command line "
+                            "(expected --name value after the script)")
+        name, eq, inline = text[2:].partition("=")
+        option = options.get(name)
+        kind = option.kind if option else None
+        end = i + 1
+        if eq:
+            raw = [inline]
+        elif kind == BOOL:
+            raw = []
+        else:
+            while end < len(words) and not words[end].text.startswith("--"):
+                end += 1
+                if kind != LIST:
+                    break
+            raw = [w.text for w in words[i + 1:end]]
+        flags[name] = (i, end, _typed(name, raw, kind, source))
+        i = end
+    return flags
+
+
+def _typed(name: str, raw: list[str], kind: str | None, source: str) -> Any:
+    if kind == BOOL or (kind is None and not raw):
+        return True if not raw else raw[0].lower() not in ("false", "0")
+    if kind == LIST:
+        return raw
+    if kind is None:
+        return raw[0] if len(raw) == 1 else raw
+    if not raw:
+        raise UserError(f"{source}: --{name}: expected a value")
+    try:
+        return {INT: int, FLOAT: float, STR: str}[kind](raw[0])
+    except ValueError:
+        raise UserError(f"{source}: --{name}: expected {'an integer' if kind == INT else 'a number'}, "
+                        f"got {brief(raw[0])}") from None
+
+
+def config_tables(data: dict[str, Any]) -> dict[str, tuple[str, int]]:
+    """Which table each flattened key lives in (the last one wins, as flattening does)."""
+    where = {}
+    for name, value in data.items():
+        if isinstance(value, dict):
+            for key in value:
+                where[key] = (name, 0)
+        else:
+            where[name] = ("", 0)
+    return where
+
+
+def read_text(path: Path, what: str) -> str:
+    if not path.is_file():
+        raise UserError(f"{path}: no such file (the job's {what})")
+    raw = path.read_bytes()
+    if len(raw) > _toml.MAX_TOML_BYTES:
+        raise UserError(f"{path}: larger than 1 MiB; the job's {what} is a few KiB")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text; save the job's {what} as UTF-8") from None
+
+
+def resolve(job: KohyaJob, value: Any) -> Path | None:
+    """A path the job names, read relative to the job file's folder (`~` expanded); None when unset
+    or when it holds a shell variable fitfinder does not expand."""
+    if not value or not isinstance(value, (str, Path)) or "$" in str(value):
+        return None
+    path = Path(str(value)).expanduser()
+    return path if path.is_absolute() else job.folder / path
+
+
+def load_dataset(job: KohyaJob) -> None:
+    """The dataset TOML the job names (`dataset_config`), read and checked for what fitfinder reads."""
+    value = job.get("dataset_config")
+    path = resolve(job, value)
+    if path is None:
+        raise UserError(f"{job.source}: dataset_config: missing or not a plain path ({brief(value)}); "
+                        "fitfinder reads the datasets' resolution and batch_size from it")
+    job.dataset_path, job.dataset_text = path, read_text(path, "dataset config (dataset_config)")
+    job.dataset = _toml.parse(job.dataset_text, str(path))
+    datasets = job.dataset.get("datasets")
+    if not isinstance(datasets, list) or not datasets or not all(isinstance(d, dict) for d in datasets):
+        raise ConfigError(str(path), ["datasets: missing or empty; expected [[datasets]] tables"])
+
+
+# -- knobs shared by both trainers -----------------------------------------------------------
+ALL = frozenset({"load", "text_encoder", "latents", "sample", "train", "last_sample"})
+DATA = frozenset({"latents", "train"})
+
+
+def on_off(value: Any) -> str:
+    return "on" if value else "off"
+
+
+def resolution_side(value: Any) -> int:
+    """A dataset resolution (`1024` or `[w, h]`) as the side of the square of the same area: memory
+    follows a bucket's pixels, and the buckets of an aspect-bucketed dataset hold that area at most."""
+    if isinstance(value, (list, tuple)):
+        width, height = (int(v) for v in value)
+        return int(math.isqrt(width * height))
+    return int(value)
+
+
+def buckets_knob(job: KohyaJob) -> KnobSpec | None:
+    sides = sorted({resolution_side(job.get(f"datasets[{i}].resolution")) for i in range(len(job.datasets))})
+    sets = [sides[:n] for n in range(1, len(sides) + 1)]  # drop the largest first, as the seeds' rollback does
+    labels = tuple(",".join(str(s) for s in chosen) for chosen in sets)
+
+    def write(target: KohyaJob, label: str, space) -> None:
+        allowed = [int(s) for s in label.split(",")]
+        for i in range(len(target.datasets)):
+            value = job.get(f"datasets[{i}].resolution")
+            if resolution_side(value) not in allowed:
+                target.set(f"datasets[{i}].resolution", max(allowed))
+
+    return KnobSpec("buckets", "quality", labels, labels[-1], ("datasets[*].resolution",), DATA, "resolution",
+                    lambda v: f"[{v}]", write)
+
+
+def rank_knob(job: KohyaJob) -> KnobSpec | None:
+    desired = int(job.get("network_dim") or 0)
+    if desired <= 0:
+        return None
+    values = sorted({2**i for i in range(16) if 4 <= 2**i < desired} | {desired})
+    alpha = float(job.get("network_alpha") or 1.0)
+
+    def write(target: KohyaJob, rank: int, space) -> None:
+        target.set("network_dim", rank)
+        scaled = rank * alpha / desired
+        target.set("network_alpha", int(scaled) if float(scaled).is_integer() else scaled)
+
+    return KnobSpec("rank", "quality", tuple(values), desired, ("network_dim", "network_alpha"), ALL,
+                    "network_dim", str, write)
+
+
+def batch_knob(job: KohyaJob) -> KnobSpec:
+    desired = max(int(job.get(f"datasets[{i}].batch_size")) for i in range(len(job.datasets)))
+    effective = desired * job.accumulation
+    small = [d for d in range(1, math.isqrt(effective) + 1) if effective % d == 0]
+    divisors = sorted(set(small + [effective // d for d in small]))
+
+    def write(target: KohyaJob, batch: int, space) -> None:
+        target.set("datasets[*].batch_size", batch)
+        target.set("gradient_accumulation_steps", effective // batch)
+
+    return KnobSpec("batch", "speed", tuple(divisors), desired,
+                    ("datasets[*].batch_size", "gradient_accumulation_steps"),
+                    frozenset({"text_encoder", "latents", "train"}), "batch_size", str, write)
+
+
+def switch_knob(name: str, option: str, job: KohyaJob, phases: frozenset, light: bool, role: str = "speed",
+                title: str | None = None) -> KnobSpec:
+    desired = bool(job.get(option))
+
+    def write(target: KohyaJob, value: bool, space) -> None:
+        target.set(option, bool(value))
+
+    return KnobSpec(name, role, (light, not light), desired, (option,), phases, title or option, on_off, write)
+
+
+# kohya's optimizer names (optimizer_type, any case) -> the optimizer fitfinder builds; each trainer's
+# get_optimizer compares lower-cased names (sd-scripts train_util.get_optimizer, musubi-tuner
+# training/trainer_base.py get_optimizer).
+OPTIMIZERS = {"adamw": "adamw", "adamw8bit": "adamw8bit", "adafactor": "adafactor", "lion": "lion",
+              "lion8bit": "lion8bit", "prodigy": "prodigy"}
+OWN_OPTIMIZER_NAMES = {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "adafactor": "Adafactor", "lion": "Lion",
+                       "lion8bit": "Lion8bit", "prodigy": "Prodigy"}
+
+
+def optimizer_of(job: KohyaJob, default: str | None) -> str:
+    name = str(job.get("optimizer_type") or "").strip().lower() or (default or "")
+    if not name:
+        raise UserError(f"{job.source}: optimizer_type: missing; {job.trainer.REPO} needs one (e.g. adamw8bit)")
+    if name not in OPTIMIZERS:
+        raise UserError(f"{job.source}: optimizer_type {brief(job.get('optimizer_type'))}: not one fitfinder "
+                        f"probes; give one of {', '.join(OWN_OPTIMIZER_NAMES.values())}")
+    return OPTIMIZERS[name]
+
+
+def optimizer_knob(job: KohyaJob, default: str | None) -> KnobSpec:
+    desired = optimizer_of(job, default)
+    twins = {"adamw": "adamw8bit", "lion": "lion8bit"}
+    values = (twins[desired], desired) if desired in twins else (desired,)
+
+    def write(target: KohyaJob, name: str, space) -> None:
+        target.set("optimizer_type", OWN_OPTIMIZER_NAMES[name])
+
+    return KnobSpec("optimizer", "quality", values, desired, ("optimizer_type",), frozenset({"train", "last_sample"}),
+                    "optimizer_type", lambda v: OWN_OPTIMIZER_NAMES[v], write)
+
+
+def swap_knob(job: KohyaJob, most: int, phases: frozenset) -> KnobSpec | None:
+    """blocks_to_swap: every count from the model's maximum down to none, a speed knob."""
+    desired = int(job.get("blocks_to_swap") or 0)
+    if most <= 0:
+        return None
+    desired = min(desired, most)
+
+    def write(target: KohyaJob, count: int, space) -> None:
+        target.set("blocks_to_swap", int(count) if count else None)
+
+    return KnobSpec("layer_offloading", "speed", tuple(range(most, -1, -1)), desired, ("blocks_to_swap",), phases,
+                    "blocks_to_swap", str, write)
+
+
+def sampling_knob(job: KohyaJob) -> KnobSpec | None:
+    desired = bool(job.get("sample_prompts"))
+    if not desired:
+        return None
+    prompts = job.get("sample_prompts")
+
+    def write(target: KohyaJob, on: bool, space) -> None:
+        target.set("sample_prompts", prompts if on else None)
+
+    return KnobSpec("sampling", "quality", (False, True), True, ("sample_prompts",), ALL - {"load"},
+                    "sample_prompts", on_off, write)
+
+
+# -- writing back ------------------------------------------------------------------------------
+def write_files(job: KohyaJob, stem: str, header: list[str], folder: Path | None,
+                dest: Path | None = None) -> dict[str, str]:
+    """The job's files with its changes: each change goes where the trainer would read it from (the
+    command line when the option is there, else the config TOML when it is there, else where the job
+    is written: the command line of a shell file, the config TOML of a TOML job). With `folder` (the
+    trainer probe's private folder) every file is written and each names the others by their path there."""
+    line_edits: dict[str, Any] = {}
+    config_edits: dict[str, Any] = {}
+    option_edits = {key: value for key, value in job.changes.items() if not key.startswith("datasets[")}
+    dataset_edits, from_datasets = job.trainer.dataset_edits(
+        job, {key: value for key, value in job.changes.items() if key.startswith("datasets[")})
+    option_edits.update(from_datasets)
+    for key, value in option_edits.items():
+        on_line = key in job.line_flags or (job.form == "shell" and key not in job.config)
+        (line_edits if on_line else config_edits)[key] = value
+    _relocated(job, line_edits, config_edits, dest)
+    files: dict[str, str] = {}
+    names = {"dataset": f"{stem}_dataset.toml", "config": f"{stem}.toml"}
+    where = {kind: str(folder / name) if folder else name for kind, name in names.items()}
+    if job.dataset_text is not None and (dataset_edits or folder):
+        files[names["dataset"]] = _dataset_text(job, dataset_edits)
+        on_line = "dataset_config" in job.line_flags or job.form == "shell" and "dataset_config" not in job.config
+        (line_edits if on_line else config_edits)["dataset_config"] = where["dataset"]
+    if job.form == "shell":
+        if job.config_text is not None and (config_edits or folder):
+            files[names["config"]] = _config_text(job, config_edits, [])
+            line_edits["config_file"] = where["config"]
+        dataset = line_edits.get("dataset_config", config_edits.get("dataset_config"))
+        return {f"{stem}.sh": _shell_text(job, line_edits, header, dataset), **files}
+    return {names["config"]: _config_text(job, config_edits, header), **files}
+
+
+def _relocated(job: KohyaJob, line_edits: dict, config_edits: dict, dest: Path | None) -> None:
+    """Files the job names by relative paths (its config and dataset TOMLs), named again relative to
+    `dest` when the job is written elsewhere: fitfinder reads them relative to the job file's folder."""
+    if dest is None:
+        return
+    import os
+
+    for key in ("config_file", "dataset_config"):
+        path = resolve(job, job.get(key))
+        if path is None or Path(str(job.get(key))).is_absolute():
+            continue
+        moved = os.path.relpath(path, Path(dest).resolve())
+        if moved != str(job.get(key)):
+            (line_edits if key in job.line_flags or job.form == "shell" else config_edits).setdefault(key, moved)
+
+
+def _shell_text(job: KohyaJob, edits: dict[str, Any], header: list[str], dataset: Any = None) -> str:
+    text, command = job.shell_text, job.command
+    words = command.words
+    changes, appended = [], []
+    for cached in job.caching:  # the caching commands read the same dataset TOML
+        if dataset is not None and cached.get("dataset_word") is not None:
+            word = cached["dataset_word"]
+            changes.append((word.start, word.end, _shell.quoted(str(dataset))))
+    for key, value in edits.items():
+        option = job.options.get(key)
+        if key in job.line_flags:
+            first, end, _ = job.line_flags[key]
+            start, stop = words[first].start, words[end - 1].end
+            if value is None or value is False:
+                start = _blank_before(text, start)
+                changes.append((start, stop, ""))
+            else:
+                changes.append((start, stop, _flag_words(key, value, option)))
+        elif value is not None and value is not False:
+            appended.append(_flag_words(key, value, option))
+    if appended:
+        line_start = text.rfind("\n", 0, words[-1].start) + 1
+        indent = text[line_start:len(text) - len(text[line_start:].lstrip(" \t"))]
+        joiner = f" \\\n{indent or '  '}" if command.multiline else " "
+        changes.append((words[-1].end, words[-1].end, joiner + joiner.join(appended)))
+    body = _shell.edited(text, changes)
+    return _with_header(body, header, "#")
+
+
+def _blank_before(text: str, start: int) -> int:
+    """Where to cut a removed option from: the spaces before it, and a continuation that would be left alone."""
+    cut = start
+    while cut > 0 and text[cut - 1] in " \t":
+        cut -= 1
+    if text[max(0, cut - 2):cut] == "\\\n":
+        probe = cut - 2
+        while probe > 0 and text[probe - 1] in " \t":
+            probe -= 1
+        cut = probe
+    return cut
+
+
+def _flag_words(key: str, value: Any, option: Option | None) -> str:
+    if value is True:
+        return f"--{key}"
+    if isinstance(value, (list, tuple)):
+        return " ".join([f"--{key}", *(_shell.quoted(str(v)) for v in value)])
+    return f"--{key} {_shell.quoted(_number(value))}"
+
+
+def _number(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _config_text(job: KohyaJob, edits: dict[str, Any], header: list[str]) -> str:
+    text, source = job.config_text, str(job.config_path or job.source)
+    tables = [name for name, value in _toml.parse(text, source).items() if isinstance(value, dict)]
+    for key, value in edits.items():
+        table, occurrence = job.config_tables.get(key, (tables[-1] if tables else "", 0))
+        if value is None:
+            text = _toml.delete_key(text, table, occurrence, key, source)
+        else:
+            text = _toml.set_key(text, table, occurrence, key, value, source)
+    return _with_header(text, header, "#")
+
+
+def _dataset_text(job: KohyaJob, edits: dict[tuple[str, int, str], Any]) -> str:
+    """The dataset TOML with each (table, occurrence, key) set: `("general", 0, "batch_size")`."""
+    text, source = job.dataset_text, str(job.dataset_path)
+    for (table, occurrence, name), value in edits.items():
+        text = _toml.set_key(text, table, occurrence, name, value, source)
+    return text
+
+
+def _with_header(text: str, header: list[str], mark: str) -> str:
+    if not header:
+        return text
+    lines = [f"{mark} {one_line(line, 1000)}".rstrip() for line in header]
+    if text.startswith("#!"):
+        first, _, rest = text.partition("\n")
+        return first + "\n" + "\n".join(lines) + "\n" + rest
+    return "\n".join(lines) + "\n" + text
+
+
+# -- the command line of a shell file --------------------------------------------------------------
+def launcher_options(words: list[_shell.Word]) -> dict[str, str]:
+    """accelerate launch's own options before the script (`--mixed_precision bf16`, `--num_processes 2`)."""
+    found, i = {}, 0
+    while i < len(words):
+        text = words[i].text
+        if text.startswith("--"):
+            name, eq, value = text[2:].partition("=")
+            if not eq and i + 1 < len(words) and not words[i + 1].text.startswith("-"):
+                value, i = words[i + 1].text, i + 1
+            found[name] = value or "true"
+        i += 1
+    return found
+
+
+def architecture(job: KohyaJob, family: str, default_arch: str, checkpoint_key: str,
+                 decide: Callable[[_safetensors.Header], str] | None) -> dict:
+    """The model to estimate and probe: `--arch NAME` if given; else the checkpoint's header decides
+    the shipped architecture (`decide`); else the script's default, and the job's notes say which."""
+    shipped = models.known_archs()
+    if job.arch:
+        found = models._shipped_by_name(job.arch)  # noqa: SLF001 - the registry's own lookup by name
+        if found is None:
+            matching = [stem for stem, arch in shipped.items() if arch["family"] == family]
+            raise UserError(f"--arch {brief(job.arch)}: no shipped architecture of that name; "
+                            f"{job.script.name} trains {family}: {', '.join(matching)}")
+        if found[1]["family"] != family:
+            raise UserError(f"--arch {job.arch}: a {found[1]['family']} architecture, but {job.script.name} "
+                            f"trains {family}")
+        stem, arch = found
+        _note(job, f"architecture {stem} (--arch, random weights)")
+    else:
+        header = _safetensors.read(resolve(job, job.get(checkpoint_key)) or "")
+        stem = decide(header) if header is not None and decide else default_arch
+        arch = shipped[stem]
+        how = (f"read from the header of {Path(header.path).name}" if header is not None
+               else f"{checkpoint_key} {brief(job.get(checkpoint_key))} is not a file here: the script's shipped one")
+        _note(job, f"architecture {stem} ({how})")
+    return {"family": family, "weights": "none", "arch_name": stem, "arch": arch, "path": None}
+
+
+def _note(job: KohyaJob, text: str) -> None:
+    if text not in job.notes:
+        job.notes.append(text)
+
+
+def part_dtype(job: KohyaJob, key: str, fallback: str) -> str:
+    """A checkpoint's dtype: its header's where the file is here, else its name's, else `fallback`."""
+    value = job.get(key)
+    header = _safetensors.read(resolve(job, value) or "")
+    if header is not None:
+        return header.weight_dtype
+    return _safetensors.dtype_from_name(str(value or "")) or fallback
+
+
+def prompt_lines(job: KohyaJob) -> list[dict[str, str]] | None:
+    """The sample prompt file's prompts, each with its options (`--w 1024 --h 1024 --s 20 ...`), as
+    train_util.load_prompts reads a .txt file; None when there is no file to read (a .toml or .json
+    prompt file is not read: its previews take the defaults, and the notes say so)."""
+    path = resolve(job, job.get("sample_prompts"))
+    if path is None or not path.is_file() or path.suffix.lower() not in (".txt", ""):
+        return None
+    found = []
+    for line in read_text(path, "sample prompt file").splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        options = {}
+        for part in line.split(" --")[1:]:
+            key, _, value = part.strip().partition(" ")
+            options[key] = value.strip()
+        found.append(options)
+    return found
+
+
+def settings_problem(job: KohyaJob, where: str, ok: bool, expected: str) -> None:
+    if not ok:
+        raise ConfigError(job.source, [f"{where}: expected {expected}, got {brief(job.get(where))}"])
+
+
+def dtype_of_precision(value: Any) -> str:
+    return {"bf16": "bf16", "fp16": "fp16", "no": "fp32", "fp32": "fp32"}.get(str(value or "no").lower(), "fp32")
+
+
+def not_modelled(job: KohyaJob, flags: dict[str, str]) -> None:
+    """Name each option that moves memory and that the recipe does not follow."""
+    for flag, effect in flags.items():
+        value = job.get(flag)
+        if value not in (None, False, 0, "", []):
+            job.notes.append(f"--{flag} is not modelled: {effect}")
+
+
+__all__ = ["KohyaJob", "KnobSpec", "Option", "jobconfig"]
+
+
+def dataset_edits(job: KohyaJob, changes: dict[str, Any], from_args: dict[str, str]) -> tuple[dict, dict]:
+    """Dataset changes as (table, occurrence, key) edits of the dataset TOML: in the dataset's own
+    table where it has the key, in [general] where every dataset takes it from there, else in each
+    dataset's table; and the options that hold the value instead (sd-scripts' --train_batch_size
+    when no table sets batch_size)."""
+    edits, options_changed = {}, {}
+    general = job.dataset.get("general") or {}
+    for key, value in changes.items():
+        index_text, _, name = key[len("datasets["):].partition("].")
+        index = int(index_text)
+        value = list(value) if isinstance(value, tuple) else value
+        if name in job.datasets[index]:
+            edits[("datasets", index, name)] = value
+        elif name in general:
+            same = all(changes.get(f"datasets[{i}].{name}") == value
+                       for i in range(len(job.datasets)) if name not in job.datasets[i])
+            edits[("general", 0, name) if same else ("datasets", index, name)] = value
+        elif name in from_args and job.has(from_args[name]):
+            options_changed[from_args[name]] = value
+        elif all(changes.get(f"datasets[{i}].{name}") == value for i in range(len(job.datasets))):
+            edits[("general", 0, name)] = value
+        else:
+            edits[("datasets", index, name)] = value
+    return edits, options_changed
+
+
+# -- the probe's request ---------------------------------------------------------------------------
+def sample_settings(job: KohyaJob, prompts: list[dict] | None, width: int, height: int, steps: int,
+                    guidance_key: str, guidance: float, first: list[str], sample_steps: int) -> dict:
+    """The previews as the prompt file asks for them: the largest --w x --h, its --s (at most the
+    probe's `sample_steps`: every denoising step holds the same memory) and guidance."""
+    enabled = bool(job.get("sample_prompts"))
+    if enabled and prompts is None:
+        _note(job, f"sample_prompts {brief(job.get('sample_prompts'))} is not a prompt file here: previews "
+                         f"at the script's defaults ({width}x{height}, {steps} steps)")
+    sizes = [(int(p.get("w", width)), int(p.get("h", height))) for p in prompts or []] or [(width, height)]
+    big = max(sizes, key=lambda size: (size[0] * size[1], size))
+    chosen = next((p for p in prompts or [] if (int(p.get("w", width)), int(p.get("h", height))) == big), {})
+    return {"first": enabled and "sample" in first, "last": enabled and "last_sample" in first,
+            "width": big[0], "height": big[1], "frames": 1,
+            "steps": min(sample_steps, int(chosen.get("s", steps))),
+            "guidance_scale": float(chosen.get(guidance_key, guidance))}
+
+
+def request(job: KohyaJob, spec: dict, trainer: dict, sample: dict, rank_ignore: list[str], steps: int,
+            meter: str, budget_bytes: int | None, gpu: int = 0, fault: str | None = None) -> dict:
+    """A probe request (probe/protocol.py ProbeRequest) for a kohya job: AI Toolkit's fields at what
+    the trainer does (no quanto quantization, no layer offloading: the `trainer` field carries fp8
+    and block swap as this trainer does them), and the trainer's recipe."""
+    dtype = dtype_of_precision(job.get("mixed_precision"))
+    sides = sorted({resolution_side(job.get(f"datasets[{i}].resolution")) for i in range(len(job.datasets))})
+    residency = trainer["residency"]
+    cached_te = not set(residency["text_encoder"]) & set(residency["train"])  # the encoders leave before training
+    return {
+        "model": spec, "dtype": dtype,
+        "quantize": None, "quant_type": "", "quantize_te": None, "quant_type_te": "",
+        "low_vram": False, "tiled_preview_decode": False,
+        "layer_offloading": {"denoiser": 0.0, "text_encoder": 0.0},
+        "text_encoder": "cache" if cached_te else "keep",
+        "cache_latents": trainer["residency"]["latents"] == ["vae"],
+        "shapes": [[side, 1] for side in sides],
+        "batch_size": max(int(job.get(f"datasets[{i}].batch_size")) for i in range(len(job.datasets))),
+        "accumulation": job.accumulation,
+        "gradient_checkpointing": bool(job.get("gradient_checkpointing")),
+        "rank": int(job.get("network_dim")), "alpha": float(job.get("network_alpha") or 1.0),
+        "lora_ignore": list(rank_ignore), "conv_rank": None, "conv_alpha": None,
+        "optimizer": optimizer_of(job, job.trainer.DEFAULT_OPTIMIZER),
+        "optimizer_params": {}, "ema_decay": None,
+        "lr": float(job.get("learning_rate") or 1e-4),
+        "trained": ["transformer"], "switch_every": 1,
+        "sample": sample, "preview_holds_gradients": False,
+        "steps": int(steps), "meter": meter, "budget_bytes": budget_bytes, "gpu": gpu, "seed": 0,
+        "trainer": trainer,
+        **({"fault": fault} if fault else {}),
+    }
