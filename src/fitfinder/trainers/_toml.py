@@ -9,7 +9,10 @@ know. The result is parsed again, so an edit that would not read back is never w
 from __future__ import annotations
 
 import re
-import tomllib
+try:
+    import tomllib
+except ImportError:  # Python 3.10: the same module as tomli (pyproject.toml)
+    import tomli as tomllib
 from typing import Any
 
 import tomli_w
