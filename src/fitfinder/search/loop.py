@@ -17,6 +17,7 @@ from fitfinder.search import estimated, study as studies, worker as workers
 from fitfinder.search.planner import ATTEMPTS, Knowledge, Result, best, explain, plan
 from fitfinder.space import Point, Space
 from fitfinder.units import format_bytes
+from fitfinder.verdict import FITS, NO_FIT
 
 
 @dataclass
@@ -61,7 +62,8 @@ class SearchSummary:
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "status": self.status, "study": self.study, "storage": self.storage, "trials": self.trials,
+            "status": self.status, "verdict": FITS if self.best else NO_FIT,
+            "study": self.study, "storage": self.storage, "trials": self.trials,
             "probes_run": self.probes_run, "proven": self.proven,
             "best": self.best_point, "best_file": self.best_file,
             "peak_bytes": self.best.peak_bytes if self.best else None,
@@ -70,6 +72,14 @@ class SearchSummary:
             "explanation": self.explanation,
             "excluded": [{"trial": r.trial, "point": r.point, "error": (r.error or "")[:300]} for r in self.excluded],
         }
+
+    def closest_tight(self) -> Result | None:
+        """When nothing fits: the highest-quality probe that ran under the budget but past the
+        limit (tight: a search picks it only with --margin 0), or None."""
+        if self.best is not None or self.known is None or not self.budget_bytes:
+            return None
+        tight = [r for r in self.known.results if r.status == "ok" and r.peak_bytes <= self.budget_bytes]
+        return max(tight, key=lambda r: (self.space.quality_key(r.point), -r.peak_bytes), default=None)
 
     def proven_around(self) -> str:
         """'' when the proof is whole; else what it could not look at, for the summary line."""

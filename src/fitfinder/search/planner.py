@@ -104,7 +104,7 @@ class Knowledge:
         return result
 
     def _judge(self, result: Result) -> tuple[str | None, tuple]:
-        """ok under the limit fits; an OOM, or ok over the limit (inside the margin), does not."""
+        """ok under the limit fits; an OOM, or ok over the limit (tight, or over the budget), does not."""
         if result.status == "oom":
             return NOFIT, (result.phase,) if result.phase in PHASES else ()
         if result.status != "ok":
