@@ -73,6 +73,30 @@ def test_a_tight_estimate_warns_and_exits_0_where_the_search_would_not_take_it(t
                          f"the smallest card that takes it: 8 GB, as written (peak {format_bytes(peak)})"]
 
 
+def test_search_on_estimates_says_how_far_a_better_tight_point_is_past_the_limit(tmp_path, demo_sim_peaks):
+    peak = max(demo_sim_peaks.values())
+    budget = int(peak / 0.965)  # the job as written is tight: the search takes a lighter point
+    done = run_cli("estimate", str(DEMO), "--no-overhead", "--vram", f"{budget}B", "--search", "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert found["verdict"] == "fits" and found["best"] != found["tight"]["point"]
+    assert found["tight"]["peak_bytes"] == peak and found["tight"]["margin_at_most"] == 0.03
+    assert done.stderr.splitlines()[-1].startswith("tight: buckets=[256,384,512] rank=32 gc=off batch=4 peaks ")
+    assert done.stderr.splitlines()[-1].endswith("with --margin 0.03 or less a search takes it (it may run out)")
+
+
+def test_a_long_estimate_says_its_phase_on_stderr_and_nothing_on_stdout(capfd):
+    from fitfinder.probe import estimate
+
+    found = estimate.run(jobconfig.load(DEMO), estimate.InProcess(300, progress_after_s=0.0),
+                         overhead.GpuOverhead.none())
+    out, err = capfd.readouterr()
+    assert out == "" and found.phases
+    shown = [line for line in err.splitlines() if line.startswith("fitfinder: estimating: ")]
+    assert shown and {line.split()[2] for line in shown} <= {"start", *ALL_PHASES}
+    assert all(line.endswith(" s)") for line in shown)
+
+
 def test_search_on_estimates_finds_what_the_real_search_finds(tmp_path, demo_run):
     _, real = demo_run
     done = run_cli("estimate", str(DEMO), "--no-overhead", "--search", "--json", cwd=tmp_path)

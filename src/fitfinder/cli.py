@@ -162,11 +162,7 @@ def search(
         lightest = summary.lightest
         detail = (f"; the lightest point tried (trial {lightest.trial}: {space_.describe(lightest.point)}) "
                   f"peaked at {format_bytes(lightest.peak_bytes)}" if lightest else "")
-        tight = summary.closest_tight()
-        if tight is not None:
-            out.line(f"trial {tight.trial} ({space_.describe(tight.point)}) is tight: peak "
-                     f"{format_bytes(tight.peak_bytes)}, past the limit of {format_bytes(summary.limit_bytes)}; "
-                     "a search picks it only with --margin 0")
+        _say_tight(out, space_, summary.closest_tight(), summary.budget_bytes, summary.limit_bytes, probed=True)
         out.line(f"report: {report_file}")
         raise RunFailed(f"does not fit: nothing fits in {format_bytes(summary.budget_bytes)}{detail}; "
                         "try a larger --vram, or lighter candidates in the `fitfinder:` section "
@@ -179,6 +175,7 @@ def search(
              f"of {format_bytes(summary.budget_bytes)}  ({summary.probes_run} probes"
              f"{'' if summary.proven else ', not proven: trial cap reached'}"
              f"{'; ' + summary.proven_around() if summary.excluded else ''})")
+    _say_tight(out, space_, summary.closest_tight(), summary.budget_bytes, summary.limit_bytes, probed=True)
     out.line(f"wrote {summary.best_file}")
     out.line(f"report: {report_file}")
 
@@ -306,8 +303,22 @@ def _print_estimate(out, job, found, verdict) -> None:
         out.line(line)
 
 
+def _say_tight(out, space, tight, budget_bytes: int, limit_bytes: int, probed: bool = False) -> None:
+    """One line for the best tight point, if any: how far past the limit, and the margin that takes it."""
+    from fitfinder.probe.estimate import margin_fitting
+    from fitfinder.units import format_bytes
+
+    if tight is None:
+        return
+    which = f"trial {tight.trial} " if probed else ""
+    out.line(f"tight: {which}{space.describe(tight.point)} peaks {format_bytes(tight.peak_bytes)}, "
+             f"{format_bytes(tight.peak_bytes - limit_bytes)} past the limit; with --margin "
+             f"{margin_fitting(tight.peak_bytes, budget_bytes):.2f} or less a search takes it (it may run out)")
+
+
 def _estimate_search(job, runner, model, out) -> None:
-    from fitfinder.search import estimated, tiers as tiering
+    from fitfinder.probe import estimate as estimating
+    from fitfinder.search import estimated, planner, tiers as tiering
     from fitfinder.results.output import usage_bar
     from fitfinder.units import format_bytes
     from fitfinder.verdict import NO_FIT, judge
@@ -337,7 +348,10 @@ def _estimate_search(job, runner, model, out) -> None:
         for line in verdict.lines():
             out.line(line)
         raise typer.Exit(verdict.exit_code)
-    out.result(found.as_json())
+    tight = planner.best_tight(space, found.known, found.budget_bytes, found.best.point)
+    out.result({**found.as_json(), "tight": None if tight is None else {
+        "point": tight.point, "peak_bytes": tight.peak_bytes,
+        "margin_at_most": estimating.margin_fitting(tight.peak_bytes, found.budget_bytes)}})
     rows = [[row["knob"], space.by_name[row["knob"]].label(row["desired"]),
              space.by_name[row["knob"]].label(row["chosen"]), row["verdict"]]
             for row in found.as_json()["explanation"]]
@@ -350,6 +364,7 @@ def _estimate_search(job, runner, model, out) -> None:
                  f"peak {format_bytes(other.peak_bytes)}")
     if found.alternatives:
         out.line("  (speed is not estimated: which of these is fastest, a probe on the card tells)")
+    _say_tight(out, space, tight, found.budget_bytes, found.limit_bytes)
 
 
 @app.command()

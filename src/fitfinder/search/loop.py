@@ -14,7 +14,7 @@ from fitfinder import models, space as spaces
 from fitfinder.errors import UserError
 from fitfinder.probe import faults
 from fitfinder.search import estimated, study as studies, worker as workers
-from fitfinder.search.planner import ATTEMPTS, Knowledge, Result, best, explain, plan
+from fitfinder.search.planner import ATTEMPTS, Knowledge, Result, best, best_tight, explain, plan
 from fitfinder.space import Point, Space
 from fitfinder.units import format_bytes
 from fitfinder.verdict import FITS, NO_FIT
@@ -74,12 +74,11 @@ class SearchSummary:
         }
 
     def closest_tight(self) -> Result | None:
-        """When nothing fits: the highest-quality probe that ran under the budget but past the
-        limit (tight: a search picks it only with --margin 0), or None."""
-        if self.best is not None or self.known is None or not self.budget_bytes:
+        """The highest-quality probe that ran under the budget but past the limit (tight: a
+        search picks it only with --margin 0), of at least the winner's quality; or None."""
+        if self.known is None:
             return None
-        tight = [r for r in self.known.results if r.status == "ok" and r.peak_bytes <= self.budget_bytes]
-        return max(tight, key=lambda r: (self.space.quality_key(r.point), -r.peak_bytes), default=None)
+        return best_tight(self.space, self.known, self.budget_bytes, self.best_point)
 
     def proven_around(self) -> str:
         """'' when the proof is whole; else what it could not look at, for the summary line."""

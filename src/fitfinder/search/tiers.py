@@ -174,8 +174,7 @@ def nothing_fits(job, runner, overhead, estimator: Estimator, budget_bytes: int,
     results), and the smallest card of `cards` on which something fits, with its best point."""
     space, margin = estimator.space, job.settings.margin
     limit = limit_of(budget_bytes, margin)
-    tight = [r for r in (known.results if known else []) if r.status == "ok" and r.peak_bytes <= budget_bytes]
-    closest = max(tight, key=lambda r: (space.quality_key(r.point), -r.peak_bytes), default=None)
+    closest = planner.best_tight(space, known, budget_bytes) if known is not None else None
     tier = smallest_card(job, runner, overhead, estimator, budget_bytes, cards, on_estimate)
     would = WouldTake(card_gb=tier.card_gib if tier else None, peak_bytes=tier.peak_bytes if tier else None,
                       point=tier.point if tier else None, differs=tier.differs if tier else "",
