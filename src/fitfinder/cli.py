@@ -502,7 +502,7 @@ def report(
     out.result({**summary.as_json(), "report": str(paths["report"]), "summary": str(paths["summary"]),
                 "trials_csv": str(paths["trials"])})
     out.line(f"wrote {paths['report']}, {paths['summary'].name} and {paths['trials'].name} "
-             f"({len(view.known.results)} probes, {'a fit' if summary.best else 'nothing fits'})")
+             f"({len(view.known.results)} probes; {'fits' if summary.best else 'does not fit: nothing fits'})")
 
 
 @app.command()
