@@ -48,8 +48,7 @@ def row(result: dict) -> str:
     phases = result["phases"]
     peak = max(phases, key=lambda phase: phases[phase] or 0)
     cells = [f"{phases[p] / GIB:.2f}" if phases.get(p) else "-" for p in PHASES]
-    verdict = ("fits" if result["fits_with_margin"] else "fits past the 5% margin" if result["fits"]
-               else "does not fit")
+    verdict = ("fits" if result["fits_with_margin"] else "tight" if result["fits"] else "does not fit")
     return f"| `{result['job']}` | {' | '.join(cells)} | {verdict}: {phases[peak] / GIB:.1f} GiB in {peak} |"
 
 

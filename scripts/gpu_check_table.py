@@ -46,8 +46,9 @@ def _probe_verdict(probed: dict | None, budget: int | None) -> str:
     if not str(probed.get("meter") or "").startswith("cuda"):
         return f"not measured on a card ({probed.get('meter')})"
     where = f"{budget / GIB:g} GiB" if budget else "the card"
-    if probed.get("status") == "ok":
-        return f"fits {where} (peak {_gib(probed.get('peak_bytes'))})"
+    if probed.get("status") == "ok":  # fits, or tight: under the budget, past the margin's limit
+        word = "tight on" if probed.get("verdict") == "tight" else "fits"
+        return f"{word} {where} (peak {_gib(probed.get('peak_bytes'))})"
     if probed.get("status") == "oom":
         return f"does not fit {where}: ran out in {probed.get('phase')}"
     error = (probed.get("error") or "no detail").splitlines() or ["no detail"]
@@ -59,8 +60,8 @@ def _estimate_verdict(estimated: dict | None, budget: int | None) -> str:
         return "no estimate"
     if not budget:
         return f"peak {_gib(estimated.get('peak_bytes'))}"
-    if estimated.get("fits"):
-        return f"fits (peak {_gib(estimated.get('peak_bytes'))})"
+    if estimated.get("fits"):  # `verdict` says fits or tight (older estimates had only `fits`)
+        return f"{estimated.get('verdict') or 'fits'} (peak {_gib(estimated.get('peak_bytes'))})"
     return f"does not fit: over in {estimated.get('phase')} (peak {_gib(estimated.get('peak_bytes'))})"
 
 

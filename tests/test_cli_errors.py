@@ -69,3 +69,10 @@ def test_help_does_not_import_heavy_libraries():
 def test_help_answers(tmp_path):
     result = run_cli("--help", cwd=tmp_path)
     assert result.returncode == 0 and "search" in result.stdout and "probe" in result.stdout
+
+
+def test_version(tmp_path):
+    from fitfinder import __version__
+
+    result = run_cli("--version", cwd=tmp_path)
+    assert result.returncode == 0 and result.stdout == f"fitfinder {__version__}\n" and result.stderr == ""

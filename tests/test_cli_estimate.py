@@ -6,7 +6,7 @@ import pytest
 
 from fitfinder import jobconfig, probe
 from fitfinder.probe import overhead
-from tests.conftest import DEMO, assert_one_clean_line, run_cli
+from tests.conftest import DEMO, EXAMPLES, assert_one_clean_line, run_cli
 
 MiB = 2**20
 ALL_PHASES = ["load", "text_encoder", "latents", "sample", "train", "last_sample"]
@@ -25,7 +25,10 @@ def test_json_gives_the_verdict_the_budget_and_every_phase(tmp_path, demo_sim_pe
     done = run_cli("estimate", str(DEMO), "--no-overhead", "--json", cwd=tmp_path)
     found = json.loads(done.stdout)
     assert done.returncode == 1  # the demo's base does not fit its 13.2 MiB: that is its point
-    assert found["fits"] is False and found["budget_bytes"] == int(13.2 * MiB)
+    assert found["verdict"] == "does not fit" and found["fits"] is False and found["budget_bytes"] == int(13.2 * MiB)
+    # where it stops and what would take it: the job as written fits the smallest card sold
+    assert found["wall"]["phase"] == "train" and found["wall"]["peak_bytes"] == found["peak_bytes"]
+    assert found["would_take"]["card_gb"] == 8 and found["would_take"]["margin_at_most"] is None
     assert found["phases"] == demo_sim_peaks  # tensor bytes only: exactly what the sim meter measures
     assert found["peak_bytes"] == max(demo_sim_peaks.values()) and found["phase"] == "train"
     assert found["limit_bytes"] == int(found["budget_bytes"] * 0.95) and found["fits_with_margin"] is False
@@ -49,7 +52,49 @@ def test_the_table_with_a_stored_calibration_picked_by_name(tmp_path):
     rows = [line.split() for line in lines[header + 1:header + 7]]
     assert [row[0] for row in rows] == ALL_PHASES and all(row[-1].endswith("%") for row in rows)
     # train: 66.5 MiB of tensors and 8 MiB of workspace, 2% on top, and the 300 MiB context
-    assert lines[-1] == "fits: peak 376 MiB of 1 GiB, 648 MiB to spare (within the 5% safety margin, limit 973 MiB)"
+    assert lines[-1] == ("fits: peak 376 MiB of 1 GiB, 648 MiB to spare "
+                         "(under the limit 973 MiB: the budget less the 5% margin)")
+
+
+def test_a_tight_estimate_warns_and_exits_0_where_the_search_would_not_take_it(tmp_path, demo_sim_peaks):
+    from fitfinder.units import format_bytes
+
+    peak = max(demo_sim_peaks.values())
+    budget = int(peak / 0.965)  # under the budget, past the 5% margin's limit
+    done = run_cli("estimate", str(DEMO), "--no-overhead", "--vram", f"{budget}B", "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert (found["verdict"], found["fits"], found["fits_with_margin"]) == ("tight", True, False)  # `fits` as before
+    assert found["wall"]["phase"] == "train" and found["would_take"]["margin_at_most"] == 0.03
+    headline, *explained = done.stderr.splitlines()[-4:]  # with --json the lines go to stderr
+    assert headline.startswith(f"tight: peak {format_bytes(peak)} of {format_bytes(budget)}, ")
+    assert headline.endswith("warning: it may run out, and a search picks it only with --margin 0")
+    assert explained == [f"the wall: train, {format_bytes(peak)}", "with --margin 0.03 or less it fits this card",
+                         f"the smallest card that takes it: 8 GB, as written (peak {format_bytes(peak)})"]
+
+
+def test_search_on_estimates_says_how_far_a_better_tight_point_is_past_the_limit(tmp_path, demo_sim_peaks):
+    peak = max(demo_sim_peaks.values())
+    budget = int(peak / 0.965)  # the job as written is tight: the search takes a lighter point
+    done = run_cli("estimate", str(DEMO), "--no-overhead", "--vram", f"{budget}B", "--search", "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert found["verdict"] == "fits" and found["best"] != found["tight"]["point"]
+    assert found["tight"]["peak_bytes"] == peak and found["tight"]["margin_at_most"] == 0.03
+    assert done.stderr.splitlines()[-1].startswith("tight: buckets=[256,384,512] rank=32 gc=off batch=4 peaks ")
+    assert done.stderr.splitlines()[-1].endswith("with --margin 0.03 or less a search takes it (it may run out)")
+
+
+def test_a_long_estimate_says_its_phase_on_stderr_and_nothing_on_stdout(capfd):
+    from fitfinder.probe import estimate
+
+    found = estimate.run(jobconfig.load(DEMO), estimate.InProcess(300, progress_after_s=0.0),
+                         overhead.GpuOverhead.none())
+    out, err = capfd.readouterr()
+    assert out == "" and found.phases
+    shown = [line for line in err.splitlines() if line.startswith("fitfinder: estimating: ")]
+    assert shown and {line.split()[2] for line in shown} <= {"start", *ALL_PHASES}
+    assert all(line.endswith(" s)") for line in shown)
 
 
 def test_search_on_estimates_finds_what_the_real_search_finds(tmp_path, demo_run):
@@ -81,6 +126,38 @@ def test_search_without_a_budget_is_bad_input(tmp_path):
     assert_one_clean_line(run_cli("estimate", str(job), "--search", cwd=tmp_path), "--search needs a memory budget")
 
 
+def test_search_on_estimates_when_nothing_fits_says_the_wall_and_the_smallest_card(tmp_path):
+    done = run_cli("estimate", str(DEMO), "--no-overhead", "--vram", "4MiB", "--search", "--json", cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    found = json.loads(done.stdout)  # stdout is the one JSON object; every line went to stderr
+    assert (found["status"], found["verdict"], found["best"]) == ("none", "does not fit", None)
+    wall, would_take = found["wall"], found["would_take"]
+    # even the lightest point (one bucket, rank 4) passes the 3.8 MiB limit in its training step
+    assert wall["phase"] == "train" and wall["peak_bytes"] > found["limit_bytes"] and "lightest" in wall["point"]
+    # the job as written (66.5 MiB) fits the smallest card sold, so the best point there is the job itself
+    assert would_take["card_gb"] == 8 and would_take["differs"] == "" and would_take["point"]["rank"] == 32
+    lines = done.stderr.splitlines()
+    assert lines[-3].startswith("does not fit: nothing is predicted to fit under the limit of 3.8 MiB (4 MiB less")
+    assert lines[-2].startswith("the wall: train, ") and lines[-1].startswith("the smallest card that takes it: 8 GB")
+
+
 def test_calibrate_without_that_gpu_is_bad_input(tmp_path):
     assert_one_clean_line(run_cli("calibrate", "--gpu", "7", cwd=tmp_path), "--gpu: no CUDA device 7 here")
     assert_one_clean_line(run_cli("calibrate", "--gpu", "first", cwd=tmp_path), "--gpu: expected a device index")
+
+
+@pytest.mark.parametrize("command", ["search", "probe"])
+def test_a_gpu_that_is_not_here_is_refused_as_calibrate_refuses_it(tmp_path, command):
+    done = run_cli(command, str(DEMO), "--gpu", "0", cwd=tmp_path)
+    assert_one_clean_line(done, "--gpu: no CUDA device 0 here (0 found); without a GPU, `fitfinder estimate")
+    assert "`fitfinder tiers JOB`" in done.stderr and not (tmp_path / "studies").exists()
+
+
+@pytest.mark.parametrize("command", ["search", "probe"])
+def test_the_sim_meter_refuses_a_full_size_model_and_names_the_estimate(tmp_path, command):
+    job = EXAMPLES / "train_lora_flux_24gb.yaml"
+    done = run_cli(command, str(job), "--vram", "24GiB", cwd=tmp_path)
+    assert_one_clean_line(done, "black-forest-labs/FLUX.1-dev (flux-dev, flux) is a full-size model; the sim meter")
+    for named in (f"`fitfinder estimate {job} --vram 24GiB`", "--search", f"`fitfinder tiers {job}`"):
+        assert named in done.stderr
+    assert not (tmp_path / "studies").exists() and not (tmp_path / "results").exists()

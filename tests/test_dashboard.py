@@ -44,6 +44,19 @@ def _first_line(process, timeout: float = 60) -> str:
     pytest.fail(f"no URL from the dashboard: {process.stderr.read()}")
 
 
+def test_the_study_says_what_its_objectives_mean_and_each_trial_its_verdict(demo_run):
+    import optuna
+
+    folder, summary = demo_run
+    study = optuna.load_study(study_name=NAME, storage=f"sqlite:///{folder / 'studies' / f'{NAME}.db'}")
+    quality = study.user_attrs["objective_quality"]
+    assert quality.startswith("maximize. The quality knobs' levels as one integer")
+    assert "buckets: [256] < [256,384] < [256,384,512]; then rank: 4 < 8 < 16 < 32" in quality
+    assert study.user_attrs["objective_seconds_per_sample"].startswith("minimize. Seconds per training sample")
+    verdicts = {t.user_attrs.get("status"): t.user_attrs.get("verdict") for t in study.trials}
+    assert verdicts["ok"] == "fits" and verdicts["oom"] == "does not fit"
+
+
 @pytest.mark.slow
 def test_dashboard_serves_the_study_with_its_probe_facts_then_stops(demo_run):
     folder, summary = demo_run
@@ -72,7 +85,7 @@ def test_dashboard_serves_the_study_with_its_probe_facts_then_stops(demo_run):
             assert set(json.loads(attrs["phases"])) >= {"load"}
         oom = next(t for t in detail["trials"] if t["state"] == "Pruned")
         oom_attrs = {a["key"]: a["value"] for a in oom["user_attrs"]}
-        assert oom_attrs["status"] == "oom" and oom_attrs["phase"] == "train" and oom_attrs["verdict"] == "nofit"
+        assert oom_attrs["status"] == "oom" and oom_attrs["phase"] == "train" and oom_attrs["verdict"] == "does not fit"
         best = next(t for t in detail["trials"] if {p["name"]: p["param_external_value"] for p in t["params"]}
                     == {k: str(v) for k, v in summary["best"].items()})
         assert {a["key"]: a["value"] for a in best["user_attrs"]}["peak_bytes"] == str(summary["peak_bytes"])

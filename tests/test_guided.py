@@ -115,7 +115,8 @@ def test_the_guided_demo_search_probes_the_winner_and_its_proof_only(tmp_path):
 
     done = run_cli("search", str(DEMO), "--guided", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    trials = [line.split("  ok")[0].split("  oom")[0] for line in done.stdout.splitlines() if line.startswith("trial")]
+    trials = [line.split("  fits")[0].split("  oom")[0]
+              for line in done.stdout.splitlines() if line.startswith("trial")]
     assert trials == ["trial   0  confirm   buckets=[256,384,512] rank=16 gc=on batch=1",
                       "trial   1  proof     buckets=[256,384,512] rank=32 gc=on batch=1"]
     assert "  oom in train  " in done.stdout.splitlines()[2]

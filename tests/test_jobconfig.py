@@ -20,6 +20,18 @@ def test_reads_ai_toolkit_reference_jobs_with_their_defaults():
     assert wan.accumulation_key == "train.gradient_accumulation"
 
 
+def test_a_comment_the_new_value_contradicts_is_marked_as_about_the_old_one():
+    job = jobconfig.load(DEMO)
+    job.set("train.gradient_checkpointing", True)
+    job.set("train.batch_size", 4)  # unchanged: its comment, if any, stays as it is
+    job.set("sample.width", 256)
+    text = job.dumps()
+    assert "gradient_checkpointing: true   # fitfinder: was false (off: faster, but needs the most memory)" in text
+    assert "width: 256  # previews: denoising, then the VAE decode at this size" in text
+    job.set("train.gradient_checkpointing", False)  # and back: the first value stays the one named
+    assert "# fitfinder: was false (off: faster" in job.dumps()
+
+
 def test_set_by_path_keeps_comments_and_order(tmp_path):
     job = jobconfig.load(EXAMPLES / "train_lora_flux_24gb.yaml")
     job.set("datasets[*].resolution", [512, 768])
@@ -28,7 +40,9 @@ def test_set_by_path_keeps_comments_and_order(tmp_path):
     out = job.write(tmp_path / "out.yaml", ["header line"])
     text = out.read_text()
     assert text.startswith("# header line\n---\n")
-    assert "resolution: [512, 768]" in text and "# three buckets: the largest decides the train peak" in text
+    # a changed key's comment spoke of its old value: kept, marked as about that value
+    assert "resolution: [512, 768]" in text
+    assert "# fitfinder: was [512, 768, 1024] (three buckets: the largest decides the train peak)" in text
     assert "batch_size: 2" in text
     assert "# recompute activations: slower, far lighter" in text
     again = jobconfig.load(out)

@@ -236,3 +236,50 @@ def test_a_blank_qtype_as_the_ui_writes_for_anima_is_accepted_only_while_unused(
         jobconfig.loads(tiny_job("anima", {**blank, "model.quantize_te": True}).dumps())
     assert [problem.split(":")[0] for problem in raised.value.problems] == [
         "config.process[0].model.qtype", "config.process[0].model.qtype_te"]
+
+
+@pytest.mark.parametrize("name, gated", [("black-forest-labs/FLUX.1-dev", True), ("Wan-AI/Wan2.1-T2V-14B", False)])
+def test_missing_weights_name_hf_download_and_say_when_the_model_is_gated(tmp_path, monkeypatch, name, gated):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    with pytest.raises(UserError) as raised:
+        models._local_weights(name, "job.yaml")
+    told = str(raised.value)
+    assert f"download it first (`hf download {name}`" in told and "huggingface-cli" not in told
+    assert ("it is gated: accept its terms on https://huggingface.co/" in told) is gated
+    assert ("`hf auth login`" in told) is gated
+
+
+def test_full_size_models_are_told_from_the_tiny_ones(tmp_path):
+    from fitfinder import jobconfig
+
+    assert models.full_size(jobconfig.load(EXAMPLES / "train_lora_flux_24gb.yaml")) == (
+        "black-forest-labs/FLUX.1-dev (flux-dev, flux)")
+    assert models.full_size(jobconfig.load(DEMO)) is None  # flux-tiny
+    folder = tmp_path / "sdxl"  # a local folder: by the weights it holds
+    (folder / "unet").mkdir(parents=True)
+    with open(folder / "unet" / "diffusion_pytorch_model.safetensors", "wb") as weights:
+        weights.truncate(models.SIM_WEIGHTS_LIMIT + 1)  # sparse: no disk used
+    job = tiny_job("sdxl", {"model.name_or_path": str(folder)}, weights="pretrained")
+    assert models.full_size(job) == f"{folder} (1 GiB of weights)"
+    weights_file = folder / "unet" / "diffusion_pytorch_model.safetensors"
+    weights_file.write_bytes(b"0" * 1000)
+    assert models.full_size(job) is None
+
+
+def test_the_load_note_names_the_parts_ai_toolkits_loader_quantizes_on_the_card():
+    from fitfinder import jobconfig, space as spaces
+    from fitfinder.probe import estimate
+    from fitfinder.probe.overhead import GpuOverhead
+
+    job = jobconfig.load(EXAMPLES / "train_lora_flux_24gb.yaml")
+    space = spaces.build(job)
+    lightest = estimate.request_for(space.apply(job, space.lightest()), GpuOverhead())
+    # low_vram quantizes the transformer in host memory; T5 still comes in bf16 to be quantized on the card
+    assert models.load_note(lightest) == ("text_encoder_2 (T5EncoderModel) comes onto the card whole in bf16 to be "
+                                          "quantized there (uint4), as AI Toolkit's loader does (docs/fidelity.md)")
+    as_written = estimate.request_for(job, GpuOverhead())
+    assert models.load_note(as_written).startswith("transformer (FluxTransformer2DModel) and text_encoder_2 "
+                                                   "(T5EncoderModel) come onto the card whole in bf16")
+    assert models.load_note(estimate.request_for(jobconfig.load(DEMO), GpuOverhead())) == ""  # nothing quantized

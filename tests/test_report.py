@@ -87,8 +87,11 @@ def test_search_writes_report_summary_and_trials(demo_run):
     for div_id in FIGURES:
         assert f'id="{div_id}"' in page
     for text in ("What was kept and what was given up", "given up", "kept", "Peak memory against each knob",
-                 "Where the wall is", "Timeline of the probes", "winner against base"):
+                 "Where the wall is", "Timeline of the probes", "winner against base",
+                 "Fits: the best that fits is",  # the verdict's words, as every command says them
+                 "≤#3 fits because trial 3 was at least as heavy and fit", "? is not known"):  # the cells' legend
         assert text in page
+    assert summary["verdict"] == "fits"
 
     written = json.loads((results / "summary.json").read_text())
     assert {k: written[k] for k in summary} == summary  # the search's JSON summary, as printed
@@ -155,7 +158,8 @@ def test_no_fit_with_a_crashed_probe_still_gets_a_report(odd_studies, tmp_path):
     written = json.loads((folder / "results" / NAME / "summary.json").read_text())
     assert written["status"] == "none" and written["explanation"] == [] and written["phases"]["winner"] is None
     page = (folder / "results" / NAME / "report.html").read_text(encoding="utf-8")
-    assert "Nothing that was probed fits" in page and "SIGABRT" in page  # the crash is shown with its reason
+    assert "Does not fit: nothing that was probed fits" in page and "SIGABRT" in page  # the crash, with its reason
+    assert written["verdict"] == "does not fit"
     dom, console, shot = _open_in_chromium(folder / "results" / NAME / "report.html", tmp_path)
     assert console == [], "console messages:\n" + "\n".join(console)
     assert _drawn_figures(dom) == set(FIGURES)

@@ -10,7 +10,7 @@ from fitfinder.probe import estimate
 from fitfinder.results import report
 from fitfinder.search import tiers
 from fitfinder.probe.overhead import GpuOverhead
-from tests.conftest import DEMO, assert_one_clean_line, run_cli
+from tests.conftest import DEMO, EXAMPLES, assert_one_clean_line, run_cli
 
 MiB = 2**20
 
@@ -107,3 +107,43 @@ def test_a_point_whose_every_phase_is_known_is_recalled_not_estimated():
     again = estimator.of(gc_on)  # every phase known: nothing runs
     assert (estimator.runs, estimator.recalled) == (4, 1) and again.phases == second.phases
     assert first.phases["train"] - second.phases["train"] == 60 and fourth.phases["load"] == third.phases["load"]
+
+
+GiB = 2**30
+
+
+def test_nothing_fits_names_the_wall_and_the_smallest_card_that_takes_it():
+    job = jobconfig.load(DEMO)
+    estimator = estimate.Estimator(job, _ByRequest(), GpuOverhead.none())
+    cards = (256 / GiB, 400 / GiB, 2000 / GiB)  # bytes, as GiB: the stand-in's peaks are a few hundred bytes
+    found = tiers.nothing_fits(job, estimator.runner, GpuOverhead.none(), estimator, 200, cards=cards)
+    assert (found.verdict, found.exit_code, found.limit_bytes) == ("does not fit", 1, 190)
+    # the lightest point (rank 4, batch 1, checkpointing on) trains at 200 + 4 + 40: past the limit
+    assert (found.wall.phase, found.wall.peak_bytes, found.wall.why) == ("train", 244, "")
+    assert found.wall.point.startswith("even at the lightest point (buckets=[256] rank=4 gc=on batch=1")
+    # 256 bytes' limit (243) is under the lightest point's peak: passed over; 400 takes a point
+    would = found.would_take
+    assert would.card_gb == cards[1] and would.point is not None and would.peak_bytes <= int(400 * 0.95)
+    assert would.differs and would.margin_at_most is None  # nothing was tight at 200
+    assert found.as_json()["would_take"]["card_gb"] == cards[1]
+
+
+def test_a_wall_in_the_load_says_what_ai_toolkits_loader_holds_there():
+    job = jobconfig.load(EXAMPLES / "train_lora_flux_24gb.yaml")
+    estimator = estimate.Estimator(job, _ByRequest(), GpuOverhead.none())
+    wall = tiers.wall_of(job, GpuOverhead.none(), estimator, 95)  # the lightest point loads at 100 + rank 4
+    assert (wall.phase, wall.peak_bytes) == ("load", 104)
+    assert wall.why.startswith("text_encoder_2 (T5EncoderModel) comes onto the card whole in bf16")
+    assert tiers.wall_of(job, GpuOverhead.none(), estimator, 10_000) is None  # nothing stops it there
+
+
+def test_tiers_when_no_card_fits_exits_1_with_the_smallest_card_sold(tmp_path):
+    done = run_cli("tiers", str(DEMO), "--cards", "0.003", "--no-overhead", "--json", cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    found = json.loads(done.stdout)
+    assert found["verdict"] == "does not fit" and found["tiers"][0]["verdict"] == "does not fit"
+    assert found["tiers"][0]["wall"]["phase"] == "train" and found["would_take"]["card_gb"] == 8
+    lines = done.stderr.splitlines()
+    row = next(line for line in lines if line.startswith("0.003 GiB"))
+    assert row.split(None, 3)[3].startswith("does not fit: train needs ") and row.endswith("at the lightest point")
+    assert lines[-1].startswith("the smallest card that takes it: 8 GB, as written")

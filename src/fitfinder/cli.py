@@ -20,11 +20,16 @@ from fitfinder.errors import RunFailed, UserError
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, rich_markup_mode=None,
-    help="Find the best LoRA-training configuration that fits a GPU, and prove it fits.",
+    help="Find the best LoRA-training configuration that fits a GPU, and prove it fits.\n\n"
+         "No GPU? `fitfinder estimate JOB --vram 24GiB` predicts a job's peak memory on the CPU in seconds, "
+         "`estimate --search` the best configuration for that card, `tiers` the best for each card size. "
+         "Verdicts: fits (under the limit: the budget less the margin), tight (under the budget, over the "
+         "limit: it may run out), does not fit.",
 )
 
 JobArg = typer.Argument(..., help="AI Toolkit job file (YAML); it is never written to.", show_default=False)
-GpuOpt = typer.Option(None, "--gpu", help="Measure on this CUDA device (index). Without a GPU: the sim meter.")
+GpuOpt = typer.Option(None, "--gpu", help="Measure on this CUDA device (index); without it, the sim meter on "
+                                           "the CPU (for tiny models: `estimate` predicts full-size ones).")
 VramOpt = typer.Option(None, "--vram", help="Memory budget, e.g. 24GiB (overrides `fitfinder: vram`).")
 JsonOpt = typer.Option(False, "--json", help="End with one JSON object on stdout; progress goes to stderr.")
 NameArg = typer.Argument(..., help="Study name (as in studies/NAME.db and results/NAME/).", show_default=False)
@@ -35,6 +40,23 @@ ScriptOpt = typer.Option(None, "--script", help="The kohya script a --config_fil
                                                 "say (flux_train_network.py, qwen_image_train_network.py).")
 ArchOpt = typer.Option(None, "--arch", help="A kohya job's model as this shipped architecture (e.g. flux-tiny, "
                                             "random weights) instead of its checkpoint's.")
+# An estimate that runs longer than this says on stderr which phase it is in (a FLUX.1-dev estimate
+# takes 10-40 s on a busy 2-core machine, and printed nothing until it ended).
+PROGRESS_AFTER_S = 3.0
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        from fitfinder import __version__
+
+        print(f"fitfinder {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True,
+                                       help="Print fitfinder's version and exit.")) -> None:
+    """`fitfinder --version`; the commands are below."""
 
 
 def _friendly(command):
@@ -89,7 +111,15 @@ def search(
     arch: Optional[str] = ArchOpt,
     json_output: bool = JsonOpt,
 ) -> None:
-    """Search the best configuration that fits; export it as results/NAME/best.yaml."""
+    """Search the best configuration that fits; export it as results/NAME/best.yaml.
+
+    Each probe is a short training run: on a card with --gpu N (the cuda meter), or on the CPU
+    with --vram and the sim meter, which is for tiny models (the demo, tests). Without a GPU, a
+    full-size model is predicted instead, in seconds: `fitfinder estimate JOB --vram 24GiB` (one
+    point), `fitfinder estimate JOB --vram 24GiB --search` (the best point for that card) and
+    `fitfinder tiers JOB` (the best point per card size). Exit code 0 when something fits, 1 when
+    nothing does, 2 for bad input, 3 for a card that is not clean.
+    """
     from fitfinder import search as searching
     from fitfinder.results import report as reporting
     from fitfinder.results.output import Output
@@ -101,11 +131,13 @@ def search(
     _notes(out, job)
     budget_given = job.settings.vram_bytes is not None
     meter, gpus = _meter(gpu, job, out)
+    if meter == "sim" and not force and not worker:
+        _refuse_full_size_on_the_cpu(job)
     if workers < 1:
         raise UserError(f"--workers: must be at least 1, got {workers}")
     if len(gpus) > 1 and workers > 1:
         raise UserError("--workers is for the CPU; with --gpu 0,1,... there is one worker per GPU")
-    workers = max(workers, len(gpus))  # without CUDA, --gpu 0,1 still searches with two workers
+    workers = max(workers, len(gpus))
     if meter == "cuda" and workers > len(gpus) and not force:
         raise UserError(f"--workers {workers} on {len(gpus)} card(s): workers sharing a card measure each other's "
                         "memory; give one card per worker with --gpu 0,1,..., or add --force to insist")
@@ -138,17 +170,20 @@ def search(
         lightest = summary.lightest
         detail = (f"; the lightest point tried (trial {lightest.trial}: {space_.describe(lightest.point)}) "
                   f"peaked at {format_bytes(lightest.peak_bytes)}" if lightest else "")
+        _say_tight(out, space_, summary.closest_tight(), summary.budget_bytes, summary.limit_bytes, probed=True)
         out.line(f"report: {report_file}")
-        raise RunFailed(f"nothing fits in {format_bytes(summary.budget_bytes)}{detail}; "
-                        "try a larger --vram, or lighter candidates in the `fitfinder:` section")
+        raise RunFailed(f"does not fit: nothing fits in {format_bytes(summary.budget_bytes)}{detail}; "
+                        "try a larger --vram, or lighter candidates in the `fitfinder:` section "
+                        f"(`fitfinder tiers {job.source}` predicts the smallest card that takes it)")
     rows = [[row["knob"], space_.by_name[row["knob"]].label(row["desired"]),
              space_.by_name[row["knob"]].label(row["chosen"]), row["verdict"],
              "" if row["forced_by"] is None else f"trial {row['forced_by']}"] for row in summary.explanation]
-    out.table(["knob", "desired", "chosen", "", "forced by"], rows)
+    out.table(["knob", "desired", "chosen", "outcome", "forced by"], rows)
     out.line(f"best: {space_.describe(summary.best_point)}  peak {format_bytes(summary.best.peak_bytes)} "
              f"of {format_bytes(summary.budget_bytes)}  ({summary.probes_run} probes"
              f"{'' if summary.proven else ', not proven: trial cap reached'}"
              f"{'; ' + summary.proven_around() if summary.excluded else ''})")
+    _say_tight(out, space_, summary.closest_tight(), summary.budget_bytes, summary.limit_bytes, probed=True)
     out.line(f"wrote {summary.best_file}")
     out.line(f"report: {report_file}")
 
@@ -159,6 +194,7 @@ def probe(
     job_file: Path = JobArg,
     gpu: Optional[str] = GpuOpt,
     vram: Optional[str] = VramOpt,
+    margin: Optional[float] = typer.Option(None, "--margin", help="Safety margin, share of the budget [0.05]."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Training steps [probe_steps, 20]."),
     timeout: Optional[float] = typer.Option(None, "--timeout", help="Seconds before the probe is killed [600]."),
     script: Optional[str] = ScriptOpt,
@@ -167,23 +203,36 @@ def probe(
 ) -> None:
     """Run one probe of the job file as written and print the peak of each phase.
 
-    Phases: load, text_encoder, latents, sample (first preview), train, last_sample. With --json,
-    stdout is the result object: status, phase (where it ran out, if it did), phases (name -> peak
-    bytes), phase_stats, seconds_per_step, error.
+    Phases: load, text_encoder, latents, sample (first preview), train, last_sample. The verdict,
+    as `estimate` gives it: fits (under the limit, the budget less the margin), tight (under the
+    budget, over the limit) or does not fit (it ran out of memory). Exit code 0 when it fits or is
+    tight (or no budget is given), 1 when it does not fit or the probe failed (crashed, timed
+    out), 2 for bad input. With --json, stdout is the result object: verdict, status, phase (where
+    it ran out, if it did), phases (name -> peak bytes), phase_stats, seconds_per_step, error.
     """
     from fitfinder import probe as probing
     from fitfinder.results.output import Output, usage_bar
     from fitfinder.units import format_bytes
+    from fitfinder.verdict import NO_FIT, Verdict
 
     out = Output(json_output)
-    job = _load(job_file, vram=vram, probe_steps=steps, timeout=timeout, names={"probe_steps": "--steps"},
-                script=script, arch=arch)
+    job = _load(job_file, vram=vram, margin=margin, probe_steps=steps, timeout=timeout,
+                names={"probe_steps": "--steps"}, script=script, arch=arch)
     _notes(out, job)
     meter, gpus = _meter(gpu, job, out, need_budget=False)
+    if meter == "sim":
+        _refuse_full_size_on_the_cpu(job, force_option=False)
     gpu_index = gpus[0]
     request = probing.request_for(job, job.settings.probe_steps, meter, job.settings.vram_bytes, gpu_index)
     result = probing.ProbeRunner(job.settings.probe_timeout).run(request)
-    out.result(result)
+    budget = job.settings.vram_bytes
+    verdict = Verdict.of(result.get("peak_bytes"), budget, job.settings.margin)
+    if result["status"] == "oom":
+        verdict = Verdict(NO_FIT, result.get("peak_bytes"), budget, job.settings.margin, phase=result.get("phase"),
+                          ran_out=True)
+    elif result["status"] != "ok":
+        verdict = Verdict(None, None, budget, job.settings.margin)
+    out.result({**result, **verdict.as_json()})
     out.line(f"{result.get('meter') or meter}: {result['status']}"
              + (f" in phase {result['phase']}" if result.get("phase") else ""))
     rows = [[name, format_bytes(p["peak_allocated"]), format_bytes(p["peak_reserved"]), f"{p['seconds']:.2f}"]
@@ -196,7 +245,9 @@ def probe(
              + (f", {result['seconds_per_step']:.3f} s/step" if result.get("seconds_per_step") else ""))
     if result.get("error"):
         out.line(result["error"])
-    if result["status"] in ("error", "timeout"):
+    if verdict.verdict is not None:
+        out.line(verdict.headline())
+    if result["status"] in ("error", "timeout") or verdict.exit_code:
         raise typer.Exit(1)
 
 
@@ -220,10 +271,13 @@ def estimate(
 ) -> None:
     """Predict the peak memory of each phase on the CPU: no GPU, no weights, seconds.
 
-    The probe's phases run on fake tensors of the full-size architecture. Exit code 0 when the
-    job fits in --vram (or no budget is given), 1 when it does not (with --search: when nothing
-    does), 2 for bad input. With --json, stdout is one object: fits, peak_bytes, budget_bytes,
-    limit_bytes, phases (name -> predicted peak bytes), phase_stats, overhead.
+    The probe's phases run on fake tensors of the full-size architecture. The verdict: fits
+    (under the limit, the budget less the margin), tight (under the budget, over the limit: it
+    may run out) or does not fit, with the wall and the smallest card that would take it. Exit
+    code 0 when it fits or is tight (or no budget is given), 1 when it does not fit (with
+    --search: when nothing does), 2 for bad input. With --json, stdout is one object: verdict,
+    fits (under the budget), peak_bytes, budget_bytes, limit_bytes, phases (name -> predicted peak
+    bytes), phase_stats, overhead, wall, would_take.
     """
     from fitfinder.probe import estimate as estimating, overhead
     from fitfinder.results.output import Output
@@ -235,18 +289,19 @@ def estimate(
         raise UserError("--card and --no-overhead contradict each other: give one of them")
     model = overhead.GpuOverhead.none() if no_overhead else (
         overhead.for_card(card) if card is not None else overhead.GpuOverhead())
-    runner = estimating.InProcess(job.settings.probe_timeout)
+    runner = estimating.InProcess(job.settings.probe_timeout, PROGRESS_AFTER_S)
     if search_points:
         _estimate_search(job, runner, model, out)
         return
     found = estimating.run(job, runner, model)
-    out.result(found.as_json())
-    _print_estimate(out, job, found)
-    if found.fits is False:
-        raise typer.Exit(1)
+    verdict = estimating.explain(job, found, model)
+    out.result({**found.as_json(), **verdict.as_json()})
+    _print_estimate(out, job, found, verdict)
+    if verdict.exit_code:
+        raise typer.Exit(verdict.exit_code)
 
 
-def _print_estimate(out, job, found) -> None:
+def _print_estimate(out, job, found, verdict) -> None:
     from fitfinder.units import format_bytes
 
     out.line(f"estimate of {job.source} ({found.arch_name}), {found.overhead.describe()}")
@@ -258,50 +313,63 @@ def _print_estimate(out, job, found) -> None:
     if found.seconds is not None and found.max_rss_bytes:
         out.line(f"({found.seconds:.1f} s, {found.cpu_seconds or 0:.1f} s of CPU, "
                  f"{format_bytes(found.max_rss_bytes)} of host memory)")
-    if budget is None:
-        out.line(f"peak {format_bytes(found.peak_bytes)}; give --vram to judge it against a card")
-    elif found.fits:
-        margin = "within" if found.fits_with_margin else "past"
-        out.line(f"fits: peak {format_bytes(found.peak_bytes)} of {format_bytes(found.budget_bytes)}, "
-                 f"{format_bytes(found.budget_bytes - found.peak_bytes)} to spare ({margin} the "
-                 f"{job.settings.margin:.0%} safety margin, limit {format_bytes(found.limit_bytes)})")
-    else:
-        phase = found.first_phase_over(found.budget_bytes)
-        out.line(f"does not fit: peak {format_bytes(found.peak_bytes)} of {format_bytes(found.budget_bytes)}, "
-                 f"{format_bytes(found.peak_bytes - found.budget_bytes)} over; it would run out in {phase}")
+    for line in verdict.lines():
+        out.line(line)
+
+
+def _say_tight(out, space, tight, budget_bytes: int, limit_bytes: int, probed: bool = False) -> None:
+    """One line for the best tight point, if any: how far past the limit, and the margin that takes it."""
+    from fitfinder.probe.estimate import margin_fitting
+    from fitfinder.units import format_bytes
+
+    if tight is None:
+        return
+    which = f"trial {tight.trial} " if probed else ""
+    out.line(f"tight: {which}{space.describe(tight.point)} peaks {format_bytes(tight.peak_bytes)}, "
+             f"{format_bytes(tight.peak_bytes - limit_bytes)} past the limit; with --margin "
+             f"{margin_fitting(tight.peak_bytes, budget_bytes):.2f} or less a search takes it (it may run out)")
 
 
 def _estimate_search(job, runner, model, out) -> None:
-    from fitfinder.search import estimated
+    from fitfinder.probe import estimate as estimating
+    from fitfinder.search import estimated, planner, tiers as tiering
     from fitfinder.results.output import usage_bar
     from fitfinder.units import format_bytes
+    from fitfinder.verdict import NO_FIT, judge
 
     if job.settings.vram_bytes is None:
         raise UserError("--search needs a memory budget: give --vram (e.g. --vram 24GiB) or `fitfinder: {vram: 24GiB}`")
 
     def on_estimate(space, result, budget) -> None:
-        if result.verdict == "fit":
-            verdict = "fits"
-        elif result.peak_bytes <= budget:
-            verdict = "over the margin"
-        else:
-            verdict = "over the budget in " + next(p for p, peak in result.phases.items() if peak > budget)
+        verdict = judge(result.peak_bytes, budget, job.settings.margin)
+        if verdict == NO_FIT:
+            verdict += " in " + next(p for p, peak in result.phases.items() if peak > budget)
         stage = result.extra.get("purpose") or ""
-        out.line(f"estimate {result.trial:3d}  {stage:<9} {space.describe(result.point)}  {verdict}  "
+        card = "" if budget == job.settings.vram_bytes else f"{format_bytes(budget)} card  "
+        out.line(f"estimate {result.trial:3d}  {card}{stage:<9} {space.describe(result.point)}  {verdict}  "
                  f"{usage_bar(result.peak_bytes, budget)}")
 
     out.note(f"estimating the search of {job.source}: {model.describe()}; "
              f"budget {format_bytes(job.settings.vram_bytes)}")
     found = estimated.search(job, runner, model, on_estimate)
-    out.result(found.as_json())
     space = found.space
     if found.best is None:
-        raise RunFailed(f"nothing is predicted to fit in {format_bytes(found.budget_bytes)} "
-                        f"({found.estimates_run} estimates)")
+        out.note("nothing is predicted to fit; estimating what would take it (the smallest card, "
+                 "the phase that stops it)")
+        verdict = tiering.nothing_fits(job, runner, model, found.estimator, found.budget_bytes, found.known,
+                                       found.estimates_run, on_estimate=on_estimate)
+        out.result({**found.as_json(), **verdict.as_json()})
+        for line in verdict.lines():
+            out.line(line)
+        raise typer.Exit(verdict.exit_code)
+    tight = planner.best_tight(space, found.known, found.budget_bytes, found.best.point)
+    out.result({**found.as_json(), "tight": None if tight is None else {
+        "point": tight.point, "peak_bytes": tight.peak_bytes,
+        "margin_at_most": estimating.margin_fitting(tight.peak_bytes, found.budget_bytes)}})
     rows = [[row["knob"], space.by_name[row["knob"]].label(row["desired"]),
              space.by_name[row["knob"]].label(row["chosen"]), row["verdict"]]
             for row in found.as_json()["explanation"]]
-    out.table(["knob", "desired", "predicted best", ""], rows)
+    out.table(["knob", "desired", "predicted best", "outcome"], rows)
     out.line(f"best predicted: {space.describe(found.best.point)}  peak {format_bytes(found.best.peak_bytes)} of "
              f"{format_bytes(found.budget_bytes)}  ({found.estimates_run} estimates"
              f"{'' if found.proven else ', not proven: estimate cap reached'})")
@@ -310,6 +378,7 @@ def _estimate_search(job, runner, model, out) -> None:
                  f"peak {format_bytes(other.peak_bytes)}")
     if found.alternatives:
         out.line("  (speed is not estimated: which of these is fastest, a probe on the card tells)")
+    _say_tight(out, space, tight, found.budget_bytes, found.limit_bytes)
 
 
 @app.command()
@@ -330,7 +399,11 @@ def tiers(
     arch: Optional[str] = ArchOpt,
     json_output: bool = JsonOpt,
 ) -> None:
-    """The best configuration predicted to fit each card size, on estimates (no GPU): results/NAME/tiers.json."""
+    """The best configuration predicted to fit each card size, on estimates (no GPU): results/NAME/tiers.json.
+
+    A card nothing fits says which phase stops even the lightest point. Exit code 0 when some card
+    fits, 1 when none does (then it says the smallest card that would, up to 141 GB), 2 for bad input.
+    """
     from fitfinder.probe import estimate as estimating, overhead
     from fitfinder.search import tiers as tiering
     from fitfinder.results.output import Output
@@ -347,19 +420,32 @@ def tiers(
     out.note(f"estimating {job_file} for {len(sizes)} card sizes: {model.describe()}")
 
     def on_tier(space, tier) -> None:
-        found = (f"peak {format_bytes(tier.peak_bytes)}  {tier.differs or 'the job as written'}" if tier.point
-                 else "nothing fits")
+        found = (f"fits: peak {format_bytes(tier.peak_bytes)}  {tier.differs or 'the job as written'}" if tier.point
+                 else "does not fit")
         out.note(f"{tier.label}: {found}")
 
-    table = tiering.compute(job, estimating.InProcess(job.settings.probe_timeout), model, sizes, on_tier)
+    runner = estimating.InProcess(job.settings.probe_timeout, PROGRESS_AFTER_S)
+    table = tiering.compute(job, runner, model, sizes, on_tier)
+    verdict = None
+    if not any(tier.point for tier in table.tiers):
+        out.note(f"nothing fits these cards; estimating the smallest card that would (up to "
+                 f"{tiering.CARD_SIZES_GB[-1]} GB)")
+        verdict = tiering.nothing_fits(job, runner, model, table.estimator, table.tiers[-1].budget_bytes,
+                                       estimates=table.estimator.runs)
     out_dir = results_dir / _study_name(study or job.name)
     path = tiering.write_json(table, out_dir)
     written = tiering.write_jobs(job, table, out_dir) if write else []
-    out.result({**table.as_json(), "tiers_json": str(path), "written": [str(p) for p in written]})
+    out.result({**table.as_json(), "verdict": "fits" if verdict is None else verdict.verdict,
+                "would_take": verdict.would_take.as_json() if verdict else None,
+                "tiers_json": str(path), "written": [str(p) for p in written]})
     out.table(["card", "peak", "differs from the job file", "given up"], tiering.rows(table.as_json()["tiers"]))
     out.line(f"({table.estimates_run} estimates, {table.recalled} points recalled from their phases, "
              f"{table.seconds:.0f} s; predictions: confirm a tier with `fitfinder search` on its card)")
     out.line(f"wrote {path}" + (f" and {len(written)} job files in {out_dir / 'tiers'}" if written else ""))
+    if verdict is not None:
+        for line in verdict.lines():
+            out.line(line)
+        raise typer.Exit(verdict.exit_code)
 
 
 @app.command()
@@ -433,7 +519,7 @@ def report(
     out.result({**summary.as_json(), "report": str(paths["report"]), "summary": str(paths["summary"]),
                 "trials_csv": str(paths["trials"])})
     out.line(f"wrote {paths['report']}, {paths['summary'].name} and {paths['trials'].name} "
-             f"({len(view.known.results)} probes, {'a fit' if summary.best else 'nothing fits'})")
+             f"({len(view.known.results)} probes; {'fits' if summary.best else 'does not fit: nothing fits'})")
 
 
 @app.command()
@@ -561,8 +647,8 @@ def _check_options(options: dict, names: dict) -> None:
 
 
 def _meter(gpu: Optional[str], job, out, need_budget: bool = True) -> tuple[str, list[int]]:
-    """cuda on the given GPUs (`0` or `0,1,2,3`), or sim (with a one-line notice when a GPU was
-    asked for but is absent). Without --vram the budget is the first card's memory."""
+    """cuda on the given GPUs (`0` or `0,1,2,3`; one that is not here is bad input, as calibrate
+    has it), or sim without --gpu. Without --vram the budget is the first card's memory."""
     if gpu is not None:
         if not re.fullmatch(r"\d+(,\d+)*", gpu.strip()):
             raise UserError(f"--gpu: expected device indexes such as 0 or 0,1,2,3, got {gpu!r}")
@@ -570,17 +656,33 @@ def _meter(gpu: Optional[str], job, out, need_budget: bool = True) -> tuple[str,
         if len(set(gpus)) != len(gpus):
             raise UserError(f"--gpu: each device once, got {gpu!r}")
         present = cuda_device_count()
-        if all(index < present for index in gpus):
-            if job.settings.vram_bytes is None:
-                from fitfinder.probe import preflight
+        if not all(index < present for index in gpus):
+            missing = ",".join(str(index) for index in gpus if index >= present)
+            raise UserError(f"--gpu: no CUDA device {missing} here ({present} found); without a GPU, "
+                            f"`fitfinder estimate JOB --vram 24GiB` (add --search for the best point) and "
+                            f"`fitfinder tiers JOB` predict on the CPU")
+        if job.settings.vram_bytes is None:
+            from fitfinder.probe import preflight
 
-                job.settings.vram_bytes = preflight.read_card(gpus[0]).total_bytes
-            return "cuda", gpus
-        out.note(f"no CUDA device {gpu} here; measuring on the CPU with the sim meter instead")
+            job.settings.vram_bytes = preflight.read_card(gpus[0]).total_bytes
+        return "cuda", gpus
     if need_budget and job.settings.vram_bytes is None:
         raise UserError("the sim meter needs a memory budget: give --vram (e.g. --vram 24GiB) "
                         "or `fitfinder: {vram: 24GiB}` in the job file, or --gpu N on a machine with a GPU")
-    return "sim", [0] * (1 if gpu is None else len(gpu.split(",")))
+    return "sim", [0]
+
+
+def _refuse_full_size_on_the_cpu(job, force_option: bool = True) -> None:
+    """The sim meter trains for real on the CPU: a full-size model is predicted there, not probed."""
+    from fitfinder import models
+
+    model = models.full_size(job)
+    if model is not None:
+        source = job.source
+        raise UserError(f"{source}: {model} is a full-size model; the sim meter (no --gpu) would train it for real "
+                        f"on the CPU. Predict it there instead: `fitfinder estimate {source} --vram 24GiB` (add "
+                        f"--search for the best point) or `fitfinder tiers {source}` (the best per card size); "
+                        f"or give --gpu N{' (--force insists)' if force_option else ''}")
 
 
 def cuda_device_count() -> int:

@@ -10,6 +10,7 @@ probe measures is the memory the trainer would use.
 from __future__ import annotations
 
 import copy
+import json
 import io
 import math
 import os
@@ -195,7 +196,10 @@ class JobFile:
                 child = CommentedMap()
                 node[part] = child
             node = child
-        node[last] = _yaml_value(value, node.get(last) if hasattr(node, "get") else None)
+        old = node.get(last, _MISSING) if hasattr(node, "get") else _MISSING
+        node[last] = _yaml_value(value, None if old is _MISSING else old)
+        if old is not _MISSING and _plain(old) != _plain(value):
+            _mark_old_comment(node, last, old)
 
     def copy(self) -> "JobFile":
         return JobFile(copy.deepcopy(self.data), self.source, copy.deepcopy(self.settings),
@@ -730,6 +734,22 @@ def _child(node: Any, part: str) -> Any:
     if isinstance(node, dict) and part in node:
         return node[part]
     return _MISSING
+
+
+def _mark_old_comment(node: Any, key: str, old: Any) -> None:
+    """A changed key's end-of-line comment spoke of the value it had (`gradient_checkpointing:
+    true  # off: faster, ...`): it is kept, marked as about that old value, so that it no longer
+    contradicts the new one. Comment lines below it (ruamel keeps them in the same token) stay."""
+    comments = getattr(node, "ca", None)
+    token = comments.items.get(key, [None, None, None])[2] if comments is not None else None
+    if token is None or not token.value.lstrip().startswith("#"):
+        return
+    first, newline, rest = token.value.partition("\n")
+    said = first.lstrip().removeprefix("#").strip()
+    if said.startswith("fitfinder: was "):  # already marked: the first value is the user's
+        return
+    shown = json.dumps(_plain(old)) if not isinstance(_plain(old), str) else _plain(old)
+    token.value = f"{first[:len(first) - len(first.lstrip())]}# fitfinder: was {shown} ({said}){newline}{rest}"
 
 
 def _yaml_value(value: Any, old: Any) -> Any:

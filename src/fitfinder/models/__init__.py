@@ -34,6 +34,7 @@ from typing import Any
 
 from fitfinder.errors import UserError
 from fitfinder.models._family import Family
+from fitfinder.units import format_bytes
 
 ARCH_DIR = Path(__file__).resolve().parent.parent / "archs"
 
@@ -234,11 +235,69 @@ def _local_weights(name: str, source: str) -> Path:
 
         return Path(snapshot_download(name, local_files_only=True))
     except Exception:
+        gated = (f"; it is gated: accept its terms on https://huggingface.co/{name} and log in with "
+                 "`hf auth login` first" if is_gated(name) else "")
         raise UserError(
             f"{source}: model {name!r} is neither a local folder nor in the Hugging Face cache; "
-            "download it first (huggingface-cli download), or set `fitfinder: {weights: random}` "
+            f"download it first (`hf download {name}`{gated}), or set `fitfinder: {{weights: random}}` "
             "to probe its architecture with random weights"
         ) from None
+
+
+# Hugging Face repos that are gated: a download needs the model's terms accepted on its page, and a
+# token (`hf auth login`). From AI Toolkit's UI, which marks each with a `gateUrl`
+# (ui/src/app/jobs/new/options.tsx, commit 27a03a91); FLUX.1-schnell, gated since 2025 (AI Toolkit's
+# extensions_built_in/diffusion_models/chroma/chroma_model.py: "schnell model is gated now"); and
+# FLUX.2-klein-9B (its GatedRepoError in mflux-community/mflux issue 418). Add a repo with where its
+# gate is shown.
+GATED_REPOS = frozenset(name.lower() for name in (
+    "black-forest-labs/FLUX.1-dev", "black-forest-labs/FLUX.1-Kontext-dev", "black-forest-labs/FLUX.1-schnell",
+    "black-forest-labs/FLUX.2-dev", "black-forest-labs/FLUX.2-klein-base-9B", "black-forest-labs/FLUX.2-klein-9B",
+))
+
+
+def is_gated(name: str) -> bool:
+    return name.strip().lower() in GATED_REPOS
+
+
+# The sim meter trains for real on the CPU, on one thread: it is for the tiny architectures (the
+# `*-tiny` archs, a few MiB: a probe takes seconds). A full-size model (FLUX.1-dev: 12 B parameters)
+# would need its weights in host memory and hours a step; the estimate predicts it in seconds
+# instead. A folder holding more weights than this counts as full-size.
+SIM_WEIGHTS_LIMIT = 2**30
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
+
+
+def full_size(job) -> str | None:
+    """The job's model, named, when it is full-size (a shipped architecture that is not a `-tiny`
+    one, or a local folder with more than SIM_WEIGHTS_LIMIT of weight files); None otherwise."""
+    if hasattr(job, "architecture_spec"):  # a trainer's job (fitfinder.trainers): its checkpoint's or --arch's
+        spec = job.architecture_spec()
+        return None if spec["arch_name"].endswith("-tiny") else f"{spec['arch_name']} ({spec['family']})"
+    name = str(job.get("model.name_or_path", None) or "")
+    found = _shipped_by_name(name)
+    if found is not None:
+        return None if found[0].endswith("-tiny") else f"{name} ({found[0]}, {found[1]['family']})"
+    path = Path(name).expanduser() if name else None
+    if job.settings.weights == "random" or path is None or not path.is_dir():
+        return None
+    held = sum(f.stat().st_size for f in path.rglob("*") if f.suffix in _WEIGHT_FILES and f.is_file())
+    return f"{name} ({format_bytes(held)} of weights)" if held > SIM_WEIGHTS_LIMIT else None
+
+
+def load_note(request: dict) -> str:
+    """What the load holds that its quantized model does not show: the parts AI Toolkit's loader
+    brings onto the card whole, in the job's dtype, to quantize them there (Family.quantized_on_device);
+    '' when it brings none."""
+    family = FAMILIES[request["model"]["family"]]
+    whole = family.quantized_on_device(request)
+    if not whole:
+        return ""
+    named = " and ".join(f"{part} ({family.classes[part].rpartition('.')[2]})" for part in whole)
+    qtypes = sorted({family.qtype_of(part, request) for part in whole})
+    verb = "comes" if len(whole) == 1 else "come"
+    return (f"{named} {verb} onto the card whole in {request['dtype']} to be quantized there "
+            f"({', '.join(qtypes)}), as AI Toolkit's loader does (docs/fidelity.md)")
 
 
 def arch_from_folder(path: Path, family: str) -> dict:

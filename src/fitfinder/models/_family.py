@@ -176,6 +176,25 @@ class Family:
         declared = self.low_vram if low_vram and part in self.low_vram else self.placement
         return declared.get(part, SHARED)
 
+    def qtype_of(self, part: str, settings: dict) -> str | None:
+        """The qtype AI Toolkit's loader gives `part` under a probe request's `settings`, or None
+        (see `quantized_denoisers`, `quantized_with_denoisers`, `quantized_text_encoders`)."""
+        if part in self.denoisers and self.quantized_denoisers and settings["quantize"]:
+            return settings["quant_type"]
+        if part in self.quantized_with_denoisers and settings["quantize"]:
+            return settings["quant_type"]
+        te_switch = settings["quantize"] if self.te_quantized_with_denoiser else settings["quantize_te"]
+        if part in self.quantized_text_encoders and te_switch:
+            return settings["quant_type_te"]
+        return None
+
+    def quantized_on_device(self, settings: dict) -> list[str]:
+        """The parts the load brings onto the device whole, in the job's dtype, to quantize them
+        there (load_plan): what makes a load peak higher than the quantized model it leaves."""
+        quantized = {part for part in self.parts if self.qtype_of(part, settings)}
+        return [step.part for step in self.load_plan(settings["low_vram"], quantized)
+                if step.part in quantized and step.comes_on and not step.built_on_host]
+
     def load_plan(self, low_vram: bool, quantized: set[str]) -> list[Loading]:
         """How each part is loaded, in AI Toolkit's load order (`load_order`, else `parts`), by its
         Placement with or without low_vram; `quantized`: the parts the job quantizes."""

@@ -127,15 +127,8 @@ def _build(spec: dict, part: str, dtype: torch.dtype, device, meter) -> torch.nn
 
 
 def _quantization(family, part: str, settings: dict) -> str | None:
-    """The qtype AI Toolkit's loader gives this part, or None (see Family.quantized_*)."""
-    if part in family.denoisers and family.quantized_denoisers and settings["quantize"]:
-        return settings["quant_type"]
-    if part in family.quantized_with_denoisers and settings["quantize"]:
-        return settings["quant_type"]
-    te_switch = settings["quantize"] if family.te_quantized_with_denoiser else settings["quantize_te"]
-    if part in family.quantized_text_encoders and te_switch:
-        return settings["quant_type_te"]
-    return None
+    """The qtype AI Toolkit's loader gives this part, or None (Family.qtype_of)."""
+    return family.qtype_of(part, settings)
 
 
 def _add_lora(pipe: Pipeline, name: str, settings: dict) -> None:

@@ -14,8 +14,9 @@ Each phase's estimate is what the cuda meter would report: the storages rounded 
 caching allocator rounds them, the cuBLAS workspace, the fragmentation allowance and the CUDA
 context (overhead.GpuOverhead: documented defaults, or what `fitfinder calibrate` measured).
 
-A job fits when its highest phase peak is at most the budget; the search's limit is the budget
-less its safety margin. The search's uses of estimates (the pre-screen, the guide, `fitfinder
+A job's verdict (verdict.py) is its highest phase peak against the budget and the search's
+limit (the budget less the safety margin): fits under the limit, tight between the two, does not
+fit over the budget. The search's uses of estimates (the pre-screen, the guide, `fitfinder
 estimate --search`) are in search/estimated.py.
 """
 
@@ -25,6 +26,8 @@ import contextlib
 import gc
 import os
 import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +38,7 @@ from fitfinder.probe import recipe
 from fitfinder.probe.overhead import GpuOverhead
 from fitfinder.probe.protocol import ProbeRequest, ProbeResult
 from fitfinder.probe.request import request_for as probe_request
+from fitfinder.verdict import NO_FIT, TIGHT, Verdict, Wall, WouldTake, smallest_card
 
 def as_estimate(request: ProbeRequest, overhead: GpuOverhead) -> ProbeRequest:
     """A probe request as the estimate runs it: the estimate meter, one primed step, one denoising step."""
@@ -87,13 +91,19 @@ class Estimate:
     def fits_with_margin(self) -> bool | None:
         return None if not self.budget_bytes else self.peak_bytes <= self.limit_bytes
 
+    @property
+    def verdict(self) -> str | None:
+        """fits, tight or does not fit (verdict.judge); None without a budget."""
+        return Verdict.of(self.peak_bytes, self.budget_bytes, self.margin).verdict
+
     def first_phase_over(self, threshold_bytes: float) -> str | None:
         """The first phase (in the order they run) whose peak passes `threshold_bytes`."""
         return next((name for name, peak in self.phases.items() if peak > threshold_bytes), None)
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "fits": self.fits, "peak_bytes": self.peak_bytes, "budget_bytes": self.budget_bytes,
+            "verdict": self.verdict, "fits": self.fits, "peak_bytes": self.peak_bytes,
+            "budget_bytes": self.budget_bytes,
             "limit_bytes": self.limit_bytes, "fits_with_margin": self.fits_with_margin,
             "headroom_bytes": self.budget_bytes - self.peak_bytes if self.budget_bytes else None,
             "phase": self.first_phase_over(self.budget_bytes) if self.budget_bytes else None,
@@ -101,6 +111,31 @@ class Estimate:
             "overhead": self.overhead.as_dict(), "seconds": self.seconds, "cpu_seconds": self.cpu_seconds,
             "max_rss_bytes": self.max_rss_bytes, "replayed": self.replayed,
         }
+
+
+def explain(job, found: Estimate, overhead: GpuOverhead) -> Verdict:
+    """The verdict of an estimate of `job`, and unless it fits, why: the wall (the first phase past
+    the budget, for a tight one past the limit, with what the load holds when the wall is the load)
+    and what would take it (the smallest card whose limit holds its peak; a tight one also fits
+    this card with a smaller margin)."""
+    verdict = Verdict.of(found.peak_bytes, found.budget_bytes, found.margin)
+    if verdict.verdict not in (TIGHT, NO_FIT):
+        return verdict
+    threshold = found.budget_bytes if verdict.verdict == NO_FIT else verdict.limit_bytes
+    phase = found.first_phase_over(threshold)
+    verdict.phase = phase if verdict.verdict == NO_FIT else None
+    why = models.load_note(request_for(job, overhead)) if phase == "load" else ""
+    verdict.wall = Wall(phase, found.phases[phase], why)
+    card = smallest_card(found.peak_bytes, found.margin)
+    verdict.would_take = WouldTake(card, found.peak_bytes if card else None,
+                                   margin_at_most=margin_fitting(found.peak_bytes, found.budget_bytes)
+                                   if verdict.verdict == TIGHT else None)
+    return verdict
+
+
+def margin_fitting(peak_bytes: int, budget_bytes: int) -> float:
+    """The largest margin, in whole hundredths, under which `peak_bytes` fits `budget_bytes`."""
+    return max(0.0, int((1 - peak_bytes / budget_bytes) * 100) / 100)
 
 
 class InProcess:
@@ -114,10 +149,11 @@ class InProcess:
     /dev/null, as a probe's goes to its log, so --json's stdout stays one object.
     """
 
-    def __init__(self, timeout_s: float = 600.0):
+    def __init__(self, timeout_s: float = 600.0, progress_after_s: float | None = None):
         if timeout_s <= 0:
             raise ValueError(f"the estimate's timeout must be positive but got {timeout_s}")
         self.timeout_s = timeout_s
+        self.progress_after_s = progress_after_s  # None: silent; else the phase on stderr past this
 
     def run(self, request: ProbeRequest, log_path=None) -> ProbeResult:
         with _quiet_fds():
@@ -129,9 +165,10 @@ class InProcess:
         EstimateMeter.thaw()
         gc.collect()
         started, cpu = time.perf_counter(), time.process_time()
+        progress = _Progress(self.progress_after_s)
         try:
-            with _quiet_fds(), _alarm(self.timeout_s):
-                result = recipe.run(request)  # turns an exception inside the recipe into a result
+            with progress, _quiet_fds(), _alarm(self.timeout_s):
+                result = recipe.run(request, progress.watch)  # turns an exception inside the recipe into a result
         except EstimateTimeout:  # raised outside the recipe
             result = {"status": "timeout", "phase": None, "phases": {}, "phase_stats": {}}
         if result["status"] == "timeout" or "EstimateTimeout" in (result.get("error") or ""):
@@ -139,6 +176,52 @@ class InProcess:
         result["wall_seconds"] = round(time.perf_counter() - started, 3)
         result["cpu_seconds"] = round(time.process_time() - cpu, 3)  # this estimate's, not the imports'
         return result
+
+
+class _Progress:
+    """The phase an estimate is in, on stderr, once it has run `after_s` seconds: a line that
+    rewrites itself on a terminal, a line per phase otherwise. It writes to a copy of stderr taken
+    before the estimate sends the libraries' output to /dev/null, from a thread that reads the
+    meter's `current_phase`; stdout stays the command's (with --json, one object)."""
+
+    def __init__(self, after_s: float | None):
+        self.after_s, self.meter, self.fd = after_s, None, None
+        self.done = threading.Event()
+        self.shown = ""
+
+    def watch(self, meter) -> None:
+        self.meter = meter
+
+    def __enter__(self) -> "_Progress":
+        if self.after_s is not None:
+            sys.stderr.flush()
+            self.fd = os.dup(2)
+            self.terminal = os.isatty(self.fd)
+            self.started = time.perf_counter()
+            self.thread = threading.Thread(target=self._loop, name="estimate-progress", daemon=True)
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is None:
+            return
+        self.done.set()
+        self.thread.join()
+        if self.terminal and self.shown:
+            os.write(self.fd, b"\r\x1b[K")  # the line goes: the result follows
+        os.close(self.fd)
+
+    def _loop(self) -> None:
+        if self.done.wait(self.after_s):
+            return
+        while True:
+            phase = getattr(self.meter, "current_phase", None) or "start"
+            if phase != self.shown or self.terminal:
+                text = f"fitfinder: estimating: {phase} ({time.perf_counter() - self.started:.0f} s)"
+                os.write(self.fd, (f"\r\x1b[K{text}" if self.terminal else f"{text}\n").encode())
+                self.shown = phase
+            if self.done.wait(1.0):
+                return
 
 
 class EstimateTimeout(Exception):
@@ -162,8 +245,6 @@ def _alarm(seconds: float):
 @contextlib.contextmanager
 def _quiet_fds():
     """stdout and stderr at the file-descriptor level to /dev/null (C libraries print there too)."""
-    import sys
-
     sys.stdout.flush()
     sys.stderr.flush()
     saved = [os.dup(1), os.dup(2)]

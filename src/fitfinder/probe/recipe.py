@@ -51,8 +51,10 @@ from fitfinder.probe.protocol import ProbeRequest, ProbeResult
 
 
 # -- the recipe (child) ------------------------------------------------------------------------
-def run(request: ProbeRequest) -> ProbeResult:
-    """Load, encode, sample, train `steps` steps, sample; report the peak of each phase."""
+def run(request: ProbeRequest, watch=None) -> ProbeResult:
+    """Load, encode, sample, train `steps` steps, sample; report the peak of each phase.
+    `watch(meter)` is told the meter before the recipe starts (the estimate's progress reads
+    its `current_phase` from another thread)."""
     import gc
 
     from fitfinder.probe import meter as meters  # torch: only in the child (and the estimate's process)
@@ -62,6 +64,8 @@ def run(request: ProbeRequest) -> ProbeResult:
     # collection (so that one phase's garbage does not count in the next) cost ms, not 0.3 s.
     gc.freeze()
     meter = meters.make(request["meter"], request.get("budget_bytes"), request.get("gpu", 0), request.get("overhead"))
+    if watch is not None:
+        watch(meter)
     result: ProbeResult = {"status": "ok", "phase": None, "error": None, "oom_kind": None,
                               "seconds_per_step": None, "steps_run": 0, "meter": meter.describe()}
     failure = None

@@ -1,7 +1,8 @@
 """The report's figures: plotly figures built from the study's probes, one function per figure.
 
 Every figure reads memory in one unit (chosen from the budget) and colours a probe by its
-outcome the same way: fit, over margin (ran, but inside the safety margin), oom, error.
+outcome the same way: fits (under the limit), tight (ran, under the budget but past the limit:
+verdict.py), oom, error.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from typing import Any
 from fitfinder.units import format_bytes
 
 OUTCOME_COLORS = {
-    "fit": "#2e9e44",
-    "over margin": "#f0a020",
+    "fits": "#2e9e44",
+    "tight": "#f0a020",
     "oom": "#d43d35",
     "error": "#7f7f7f",
     "timeout": "#9467bd",
@@ -28,7 +29,7 @@ class Probe:
     """One trial of the study as the report shows it."""
 
     number: int
-    outcome: str  # fit | over margin | oom | error | timeout | running
+    outcome: str  # fits | tight | oom | error | timeout | running
     point: dict[str, Any] | None
     peak_bytes: int | None = None
     phases: dict[str, int] = field(default_factory=dict)
@@ -51,7 +52,7 @@ def memory_unit(*sizes: int | None) -> tuple[str, int]:
 def _hover(probe: Probe, space) -> str:
     point = space.describe(probe.point) if probe.point else "(no point)"
     peak = format_bytes(probe.peak_bytes) if probe.peak_bytes is not None else "not measured"
-    where = f" in {probe.phase}" if probe.phase and probe.outcome != "fit" else ""
+    where = f" in {probe.phase}" if probe.phase and probe.outcome != "fits" else ""
     return f"trial {probe.number}: {probe.outcome}{where}<br>{point}<br>peak {peak}"
 
 
@@ -182,7 +183,7 @@ def _cell(space, known, point) -> tuple[int, str, str]:
             return 4, f"#{result.trial} {peak}", f"fits: trial {result.trial} peaked at {peak}"
         return 3, f"≤#{result.trial}", f"fits: lighter than trial {result.trial}, which fit ({peak})"
     if probed:
-        reason = result.status if result.status != "ok" else "over the margin"
+        reason = result.status if result.status != "ok" else "tight"
         return 2, f"#{result.trial} {reason}", f"does not fit: trial {result.trial} {reason} ({peak})"
     return 1, f"≥#{result.trial}", f"does not fit: heavier than trial {result.trial}, which did not fit ({peak})"
 

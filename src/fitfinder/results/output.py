@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from fitfinder.units import format_bytes
+from fitfinder.verdict import FITS, NO_FIT, TIGHT, of_probe
 
 
 @dataclass
@@ -27,7 +28,7 @@ class TrialRow:
 
     number: int
     knobs: dict[str, str]  # knob name -> its label (`[256,384]`, `on`, `16`)
-    status: str  # ok | over margin | oom | error | timeout
+    status: str  # fits | tight | does not fit (ran, over the budget) | oom | error | timeout
     phase: str | None
     peak_bytes: int | None
     budget_bytes: int | None
@@ -38,9 +39,12 @@ class TrialRow:
 
     @classmethod
     def of(cls, space, result, budget_bytes: int | None, purpose: str = "") -> "TrialRow":
-        """From a search result: `ok` only when it fits; under the budget but past the margin
-        reads `over margin`."""
-        status = result.status if result.status != "ok" or result.verdict == "fit" else "over margin"
+        """From a search result: a probe that ran reads as its verdict (verdict.py): `fits` under
+        the limit, `tight` under the budget but past the limit; one that did not, as its status
+        (`oom` in its phase, `error`, `timeout`)."""
+        status = result.status
+        if status == "ok":
+            status = of_probe(status, result.verdict == "fit", result.peak_bytes, budget_bytes)
         return cls(number=result.trial, knobs={k.short: k.label(result.point[k.name]) for k in space.knobs},
                    status=status, phase=result.phase if result.status != "ok" else None,
                    peak_bytes=result.peak_bytes, budget_bytes=budget_bytes,
@@ -48,7 +52,7 @@ class TrialRow:
                    estimated=bool(result.extra.get("estimated")))
 
     def plain(self) -> str:
-        """`trial   3  buckets=[256,384,512] rank=16 ...  ok  5.31 MiB / 5.8 MiB [#########-] 92%  0.078 s/step`"""
+        """`trial   3  buckets=[256,384,512] rank=16 ...  fits  5.31 MiB / 5.8 MiB [#########-] 92%  0.078 s/step`"""
         knobs = " ".join(f"{name}={label}" for name, label in self.knobs.items())
         where = (f" in {self.phase}" if self.phase else "") + (" (estimated, not probed)" if self.estimated else "")
         speed = f"{self.seconds_per_step:.3f} s/step" if self.seconds_per_step else ""
@@ -144,7 +148,8 @@ def usage_bar(peak_bytes: int | None, budget_bytes: int | None, width: int = 10)
 
 
 # -- the live table -----------------------------------------------------------------------------
-_STATUS_STYLE = {"ok": "green", "over margin": "yellow", "oom": "red", "error": "magenta", "timeout": "magenta"}
+_STATUS_STYLE = {FITS: "green", TIGHT: "yellow", NO_FIT: "red", "oom": "red", "error": "magenta",
+                 "timeout": "magenta"}
 
 
 class _Board:

@@ -27,6 +27,7 @@ from fitfinder.search.loop import SearchSummary
 from fitfinder.search.study import params_of
 from fitfinder.space import PHASES, Point, Space
 from fitfinder.units import format_bytes
+from fitfinder.verdict import FITS, TIGHT
 
 
 def check_output_dir(path: Path, option: str) -> None:
@@ -209,8 +210,10 @@ def write_report(study, space: Space, known, out_dir: Path, summary: dict[str, A
             "Where the wall is",
             f"Fits or not over {x_knob.name}" + (f" and {rest[0].name}" if rest else "")
             + f", the other knobs as in the {'winner' if winner else 'base file'} (outlined). "
-            "Light cells are implied by a probe that was lighter and fit, or heavier and did not; "
-            "dark cells were probed.",
+            "Dark cells were probed: #3 12.3 MiB is trial 3 and its peak, #4 oom (or tight) a trial that "
+            "did not fit. Light cells are implied without a probe: ≤#3 fits because trial 3 was at least as "
+            "heavy and fit, ≥#4 does not because trial 4 was at most as heavy and did not. ? is not known: "
+            "no probe decides it.",
             _plots.fit_map(space, known, center, x_knob, rest[0] if rest else None), "fit-map"))
     groups = [(f"base, trial {base.trial}", base.phases)] if base else []
     if other is not None and other is not base:
@@ -245,7 +248,7 @@ def probes_of(study, known) -> list:
         if trial.state == TrialState.RUNNING:
             outcome = "running"
         elif status == "ok":
-            outcome = "fit" if verdicts.get(trial.number) == "fit" else "over margin"
+            outcome = FITS if verdicts.get(trial.number) == "fit" else TIGHT
         elif status in ("oom", "timeout"):
             outcome = status
         else:
@@ -275,7 +278,7 @@ def _facts_section(study, space: Space, known, summary: dict[str, Any], winner) 
     attrs = study.user_attrs
     counts: dict[str, int] = {}
     for result in known.results:
-        key = "fit" if result.verdict == "fit" else ("over margin" if result.status == "ok" else result.status)
+        key = FITS if result.verdict == "fit" else (TIGHT if result.status == "ok" else result.status)
         counts[key] = counts.get(key, 0) + 1
     budget = attrs.get("budget_bytes")
     facts = [
@@ -290,10 +293,13 @@ def _facts_section(study, space: Space, known, summary: dict[str, Any], winner) 
                    else "no: the search stopped before proving it"),
     ]
     if winner is not None:
-        verdict = (f"<p class='verdict fit'>Best that fits: <b>{_e(space.describe(winner.point))}</b>, "
+        verdict = (f"<p class='verdict fit'>Fits: the best that fits is <b>{_e(space.describe(winner.point))}</b>, "
                    f"peak {_e(format_bytes(winner.peak_bytes))} (trial {winner.trial}).</p>")
     else:
-        verdict = "<p class='verdict none'>Nothing that was probed fits.</p>"
+        tight = counts.get(TIGHT)
+        verdict = ("<p class='verdict none'>Does not fit: nothing that was probed fits."
+                   + (f" {tight} tight (under the budget, past the limit: a search picks it only with --margin 0)."
+                      if tight else "") + "</p>")
     items = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in facts)
     return (f"<section><h1>fitfinder report: {_e(study.study_name)}</h1>{verdict}"
             f"<table class='facts'>{items}</table></section>")
@@ -310,7 +316,7 @@ def _explanation_section(space: Space, known, rows: list[dict[str, Any]], winner
         forced = by_trial.get(row["forced_by"]) if row["forced_by"] is not None else None
         why = ""
         if forced is not None:
-            what = forced.status if forced.status != "ok" else "over the margin"
+            what = forced.status if forced.status != "ok" else "tight"
             where = f" in {forced.phase}" if forced.phase and forced.status != "ok" else ""
             why = (f"trial {forced.trial}: {space.describe(forced.point)} went {what}{where} "
                    f"({format_bytes(forced.peak_bytes)})")
@@ -350,7 +356,7 @@ def _trials_section(space: Space, probes: list, budget: int | None) -> str:
             f"<tr class='{p.outcome.replace(' ', '-')}'><td>{p.number}</td>"
             + "".join(f"<td>{_e(k.label(p.point[k.name])) if p.point and k.name in p.point else ''}</td>"
                       for k in space.knobs)
-            + f"<td>{_e(p.outcome)}{_e(' in ' + p.phase) if p.phase and p.outcome != 'fit' else ''}</td>"
+            + f"<td>{_e(p.outcome)}{_e(' in ' + p.phase) if p.phase and p.outcome != FITS else ''}</td>"
             f"<td>{_e(format_bytes(p.peak_bytes))}{share}</td>"
             f"<td>{f'{p.seconds_per_step:.3f}' if p.seconds_per_step else ''}</td>"
             f"<td class='error'>{_e((p.error or '')[:200])}</td></tr>")

@@ -16,6 +16,7 @@ from fitfinder.probe.overhead import GpuOverhead
 from fitfinder.probe.protocol import ProbeRequest, ProbeResult, Purpose
 from fitfinder.search import planner
 from fitfinder.units import format_bytes
+from fitfinder.verdict import FITS, NO_FIT, limit_of
 
 # "Well over the budget": the pre-screen decides a point without a probe when some phase is
 # estimated at this many times the budget or more. The estimate matches the sim meter's bytes
@@ -112,10 +113,12 @@ class EstimateSearch:
     budget_bytes: int
     limit_bytes: int
     alternatives: list = field(default_factory=list)  # other speed settings predicted to fit at the best quality
+    estimator: Estimator | None = None  # what was estimated, for a search at another budget (tiers)
 
     def as_json(self) -> dict[str, Any]:
         best = self.best
-        return {"status": "fit" if best else "none", "best": best.point if best else None,
+        return {"status": "fit" if best else "none", "verdict": FITS if best else NO_FIT,
+                "best": best.point if best else None,
                 "peak_bytes": best.peak_bytes if best else None, "phases": best.phases if best else None,
                 "budget_bytes": self.budget_bytes, "limit_bytes": self.limit_bytes,
                 "estimates": self.estimates_run, "proven": self.proven,
@@ -138,7 +141,7 @@ def search(job, runner, overhead: GpuOverhead, on_estimate=None, estimator: Esti
     estimator = estimator or Estimator(job, runner, overhead)
     space = estimator.space
     budget = budget_bytes or job.settings.vram_bytes
-    limit = int(budget * (1 - job.settings.margin))
+    limit = limit_of(budget, job.settings.margin)
     known = planner.Knowledge(space, limit)
     runs_before = estimator.runs
 
@@ -151,7 +154,8 @@ def search(job, runner, overhead: GpuOverhead, on_estimate=None, estimator: Esti
     proven, _ = planner.drive(space, known, estimate_step, 0, job.settings.trials)
     best, alternatives = _fastest_candidates(space, known, planner.best(space, known))
     return EstimateSearch(space=space, best=best, known=known, estimates_run=estimator.runs - runs_before,
-                          proven=proven, budget_bytes=budget, limit_bytes=limit, alternatives=alternatives)
+                          proven=proven, budget_bytes=budget, limit_bytes=limit, alternatives=alternatives,
+                          estimator=estimator)
 
 
 def _as_result(trial: int, step, found: Estimate):

@@ -14,9 +14,10 @@ from fitfinder import models, space as spaces
 from fitfinder.errors import UserError
 from fitfinder.probe import faults
 from fitfinder.search import estimated, study as studies, worker as workers
-from fitfinder.search.planner import ATTEMPTS, Knowledge, Result, best, explain, plan
+from fitfinder.search.planner import ATTEMPTS, Knowledge, Result, best, best_tight, explain, plan
 from fitfinder.space import Point, Space
 from fitfinder.units import format_bytes
+from fitfinder.verdict import FITS, NO_FIT
 
 
 @dataclass
@@ -61,7 +62,8 @@ class SearchSummary:
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "status": self.status, "study": self.study, "storage": self.storage, "trials": self.trials,
+            "status": self.status, "verdict": FITS if self.best else NO_FIT,
+            "study": self.study, "storage": self.storage, "trials": self.trials,
             "probes_run": self.probes_run, "proven": self.proven,
             "best": self.best_point, "best_file": self.best_file,
             "peak_bytes": self.best.peak_bytes if self.best else None,
@@ -70,6 +72,13 @@ class SearchSummary:
             "explanation": self.explanation,
             "excluded": [{"trial": r.trial, "point": r.point, "error": (r.error or "")[:300]} for r in self.excluded],
         }
+
+    def closest_tight(self) -> Result | None:
+        """The highest-quality probe that ran under the budget but past the limit (tight: a
+        search picks it only with --margin 0), of at least the winner's quality; or None."""
+        if self.known is None:
+            return None
+        return best_tight(self.space, self.known, self.budget_bytes, self.best_point)
 
     def proven_around(self) -> str:
         """'' when the proof is whole; else what it could not look at, for the summary line."""

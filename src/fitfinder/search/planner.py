@@ -104,7 +104,7 @@ class Knowledge:
         return result
 
     def _judge(self, result: Result) -> tuple[str | None, tuple]:
-        """ok under the limit fits; an OOM, or ok over the limit (inside the margin), does not."""
+        """ok under the limit fits; an OOM, or ok over the limit (tight, or over the budget), does not."""
         if result.status == "oom":
             return NOFIT, (result.phase,) if result.phase in PHASES else ()
         if result.status != "ok":
@@ -529,6 +529,22 @@ def best(space: Space, known: Knowledge) -> Result | None:
             and r.seconds_per_sample <= fastest.seconds_per_sample * (1 + _noise(fastest, r))]
     return min(ties, key=lambda r: (-_offloading_level(space, r.point),
                                     r.peak_bytes if r.peak_bytes is not None else math.inf, _seconds(r)))
+
+
+def best_tight(space: Space, known: Knowledge, budget_bytes: int | None,
+               at_least: Point | None = None) -> Result | None:
+    """The highest-quality result that ran under `budget_bytes` but past the limit (tight, in
+    verdict.py's words: never picked, unless the margin is 0), the lowest peak among equals; with
+    `at_least`, only one of at least that point's quality (the winner's: what the margin cost).
+    None when there is none."""
+    if not budget_bytes:
+        return None
+    tight = [r for r in known.results
+             if r.status == "ok" and r.verdict != FIT and r.peak_bytes is not None and r.peak_bytes <= budget_bytes]
+    if at_least is not None:
+        floor = space.quality_key(at_least)
+        tight = [r for r in tight if space.quality_key(r.point) >= floor]
+    return max(tight, key=lambda r: (space.quality_key(r.point), -r.peak_bytes), default=None)
 
 
 def _offloading_level(space: Space, point: Point) -> int:

@@ -3,7 +3,7 @@
 How results map onto trial states (the plan, search.sampler.FitSampler, and the dashboard read them):
 
 - fits under the limit            -> COMPLETE, constraint `peak_over_limit` <= 0
-- ran, but inside the margin      -> COMPLETE, constraint `peak_over_limit` > 0 (infeasible)
+- tight: ran, under the budget but past the limit -> COMPLETE, constraint `peak_over_limit` > 0 (infeasible)
 - ran out of memory               -> PRUNED. A run that died has no objective values to report;
   the dashboard shows them as pruned, the way users read an OOM.
 - crashed, hung, no result line   -> FAIL, with the reason in `error`.
@@ -19,7 +19,9 @@ Each trial's `purpose` says which stage of the plan asked for it: base, rollback
 speed or confirm (a confirmation runs longer).
 
 Objectives: `quality` (the lexicographic quality key as one integer, maximize) and
-`seconds_per_sample` (minimize).
+`seconds_per_sample` (minimize); the study's user attributes `objective_quality` and
+`objective_seconds_per_sample` say so in words, with the knobs and levels of this study, for
+the dashboard's reader. Each trial's `verdict` is verdict.py's: fits, tight or does not fit.
 
 Several workers share one study (processes on one machine, machines on one PostgreSQL), and any
 of them may be killed at any instant. A claimed trial is born RUNNING with its whole point, its
@@ -58,6 +60,7 @@ from fitfinder.probe import faults, request as requests
 from fitfinder.probe.protocol import ProbeResult, Purpose
 from fitfinder.search.planner import Knowledge, Result
 from fitfinder.space import Point, Space
+from fitfinder.verdict import NO_FIT, of_probe
 
 METRICS = ("quality", "seconds_per_sample")
 
@@ -123,6 +126,21 @@ def storage(url: str):
             time.sleep(0.5 * (attempt + 1))
 
 
+def objectives_explained(space: Space) -> dict[str, str]:
+    """The two objectives in words, as study user attributes: the dashboard shows `quality` as a
+    bare integer otherwise."""
+    knobs = "; then ".join(f"{k.name}: {' < '.join(k.label(v) for v in k.candidates)}" for k in space.quality_knobs)
+    return {
+        "objective_quality": (
+            "maximize. The quality knobs' levels as one integer (Space.quality_rank), each knob weighing more "
+            f"than all later ones together, lightest level 0: {knobs or 'no quality knobs'}. 0 is the lightest "
+            f"point, {space.quality_rank(space.desired())} the job file as written; a higher number gives up less."),
+        "objective_seconds_per_sample": (
+            "minimize. Seconds per training sample: each bucket's median step after the first, by the probe's "
+            "own clock, over the batch size; it breaks ties between points of the same quality."),
+    }
+
+
 def open_study(url: str, name: str, space: Space, setup: dict[str, Any], sampler=None):
     """Create the study, or load it to resume; refuses one made for a different space, job or
     budget. `sampler`: the search's FitSampler (search.sampler), the plan as Optuna's sampler."""
@@ -146,6 +164,8 @@ def open_study(url: str, name: str, space: Space, setup: dict[str, Any], sampler
             stored = study.user_attrs.get("space")
             if stored is None:
                 study.set_metric_names(list(METRICS))
+                for key, words in objectives_explained(space).items():
+                    study.set_user_attr(key, words)
                 study.set_user_attr("space", signature)
                 study.set_user_attr("job", job)
                 if sampler is not None:  # the dashboard shows the study's attributes: which sampler plans it
@@ -530,7 +550,7 @@ def record_decided(study, space: Space, point: Point, decider: Result) -> None:
     phases = ", ".join(decider.failed_phases) or "every phase"
     study.add_trial(optuna.trial.create_trial(
         state=TrialState.PRUNED, params=point, distributions=distributions(space),
-        user_attrs={"point": point, "status": "decided", "decided_by": decider.trial, "verdict": "nofit",
+        user_attrs={"point": point, "status": "decided", "decided_by": decider.trial, "verdict": NO_FIT,
                     "reason": f"at least as heavy as trial {decider.trial}, which did not fit ({phases}), "
                               "on every knob that matters there"},
     ))
@@ -584,7 +604,8 @@ def write_facts(trial, space: Space, result: Result, probe_result: ProbeResult, 
         "error": result.error,
         "oom_kind": probe_result.get("oom_kind"),
         "meter": probe_result.get("meter"),
-        "verdict": result.verdict,
+        "verdict": of_probe(result.status, result.verdict == "fit", result.peak_bytes,
+                            probe_result.get("budget_bytes")),
         "failed_phases": list(result.failed_phases),
         "estimated": bool(probe_result.get("estimated")),
         "status": result.status,

@@ -8,8 +8,13 @@ budget, and each phase is estimated once for the knobs it depends on, so the lar
 searches mostly recall what the smaller ones' estimated.
 
 Each tier says which knobs differ from the desired point (the job file), the predicted peak,
-and what was given up (quality knobs below their desired value). `results/NAME/tiers.json`
-holds the table; `--write` exports one job file per tier beside it (tiers/NAMEgib.yaml).
+and what was given up (quality knobs below their desired value); a card nothing fits says where
+the wall is (the phase that stops even the lightest point). `results/NAME/tiers.json` holds the
+table; `--write` exports one job file per tier beside it (tiers/NAMEgib.yaml).
+
+The same machinery says what it would take when nothing fits a budget (`nothing_fits`): the
+smallest card of verdict.CARD_SIZES_GB on which the planner finds a point, that point and its
+peak, and the wall at the budget (`fitfinder estimate --search`, and `tiers` when no card given fits).
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fitfinder import models
 from fitfinder.errors import UserError
 from fitfinder.jobconfig import write_atomic
-from fitfinder.probe.estimate import Estimator
+from fitfinder.probe.estimate import Estimator, margin_fitting, request_for as estimate_request
 from fitfinder.search import estimated, planner
 from fitfinder.units import format_bytes
+from fitfinder.verdict import CARD_SIZES_GB, FITS, NO_FIT, Verdict, Wall, WouldTake, limit_of
 
 GiB = 2**30
 DEFAULT_CARDS = (8, 12, 16, 24, 32, 48, 80, 96)
@@ -41,6 +48,7 @@ class Tier:
     changed: list[dict[str, Any]] = field(default_factory=list)  # knob, role, desired, chosen, verdict
     differs: str = ""  # the changed knobs as the trial lines write them: `rank=8 gc=on`
     proven: bool = True
+    wall: Wall | None = None  # nothing fits: the phase that stops even the lightest point
 
     @property
     def given_up(self) -> list[dict[str, Any]]:
@@ -52,9 +60,11 @@ class Tier:
 
     def as_json(self) -> dict[str, Any]:
         return {"card_gib": self.card_gib, "budget_bytes": self.budget_bytes, "limit_bytes": self.limit_bytes,
+                "verdict": FITS if self.point is not None else NO_FIT,
                 "fits": self.point is not None, "point": self.point, "peak_bytes": self.peak_bytes,
                 "changed": self.changed, "differs": self.differs,
-                "given_up": [row["knob"] for row in self.given_up], "proven": self.proven}
+                "given_up": [row["knob"] for row in self.given_up], "proven": self.proven,
+                "wall": self.wall.as_json() if self.wall else None}
 
 
 @dataclass
@@ -67,6 +77,7 @@ class TierTable:
     recalled: int
     seconds: float | None = None
     space: Any = None  # the space the tiers were searched over
+    estimator: Estimator | None = None  # what was estimated, for a search at another card (nothing_fits)
 
     def as_json(self) -> dict[str, Any]:
         return {"job": self.job_source, "arch": self.arch_name, "overhead": self.overhead,
@@ -95,26 +106,87 @@ def compute(job, runner, overhead, cards=DEFAULT_CARDS, on_tier=None) -> TierTab
     import time
 
     estimator = Estimator(job, runner, overhead)
-    space = estimator.space
     started = time.perf_counter()
     tiers = []
     for card in cards:
-        budget = int(card * GiB)
-        found = estimated.search(job, runner, overhead, estimator=estimator, budget_bytes=budget)
-        best = found.best
-        changed = [] if best is None else [row for row in planner.explain(space, found.known, best.point)
-                                           if row["verdict"] != "kept"]
-        differs = " ".join(f"{space.by_name[row['knob']].short}={space.by_name[row['knob']].label(row['chosen'])}"
-                           for row in changed)
-        tiers.append(Tier(card_gib=card, budget_bytes=budget, limit_bytes=found.limit_bytes,
-                          point=best.point if best else None, peak_bytes=best.peak_bytes if best else None,
-                          changed=[{k: row[k] for k in ("knob", "role", "desired", "chosen", "verdict")}
-                                   for row in changed], differs=differs, proven=found.proven))
+        tiers.append(tier_at(job, runner, overhead, estimator, card))
         if on_tier is not None:
-            on_tier(space, tiers[-1])
+            on_tier(estimator.space, tiers[-1])
     return TierTable(job_source=str(job.source), arch_name=estimator.arch_name, overhead=overhead.describe(),
                      tiers=tiers, estimates_run=estimator.runs, recalled=estimator.recalled,
-                     seconds=round(time.perf_counter() - started, 1), space=space)
+                     seconds=round(time.perf_counter() - started, 1), space=estimator.space, estimator=estimator)
+
+
+def tier_at(job, runner, overhead, estimator: Estimator, card: float, on_estimate=None) -> Tier:
+    """The best point predicted to fit a card of `card` GiB (the planner on `estimator`'s estimates)."""
+    space, budget = estimator.space, int(card * GiB)
+    found = estimated.search(job, runner, overhead, on_estimate, estimator=estimator, budget_bytes=budget)
+    best = found.best
+    changed = [] if best is None else [row for row in planner.explain(space, found.known, best.point)
+                                       if row["verdict"] != "kept"]
+    differs = " ".join(f"{space.by_name[row['knob']].short}={space.by_name[row['knob']].label(row['chosen'])}"
+                       for row in changed)
+    return Tier(card_gib=card, budget_bytes=budget, limit_bytes=found.limit_bytes,
+                point=best.point if best else None, peak_bytes=best.peak_bytes if best else None,
+                changed=[{k: row[k] for k in ("knob", "role", "desired", "chosen", "verdict")} for row in changed],
+                differs=differs, proven=found.proven,
+                wall=None if best else wall_of(job, overhead, estimator, found.limit_bytes))
+
+
+def wall_of(job, overhead, estimator: Estimator, limit_bytes: int) -> Wall | None:
+    """The first phase in which even the space's lightest point passes `limit_bytes`, with what
+    the load holds when it is the load; None when the lightest point is not over it (or its
+    estimate fails). Memory grows with every knob, so no point is lighter there: this phase stops
+    every point."""
+    space = estimator.space
+    lightest = space.lightest()
+    phases = estimator.phases_or_none(lightest)
+    phase = next((name for name, peak in (phases or {}).items() if peak > limit_bytes), None)
+    if phase is None:
+        return None
+    why = models.load_note(estimate_request(space.apply(job, lightest), overhead)) if phase == "load" else ""
+    return Wall(phase, phases[phase], why, point=f"even at the lightest point ({space.describe(lightest)})")
+
+
+def smallest_card(job, runner, overhead, estimator: Estimator, above_bytes: int, cards=CARD_SIZES_GB,
+                  on_estimate=None) -> Tier | None:
+    """The tier of the smallest card of `cards` larger than `above_bytes` on which the planner
+    finds a point, or None when none does. The lightest point is at most as heavy as every other
+    in every phase, so a card whose limit is under its peak holds nothing: it is passed over
+    without a search."""
+    lightest = estimator.phases_or_none(estimator.space.lightest())
+    if not lightest:
+        return None
+    for card in cards:
+        budget = int(card * GiB)
+        if budget <= above_bytes or max(lightest.values()) > limit_of(budget, job.settings.margin):
+            continue
+        tier = tier_at(job, runner, overhead, estimator, card, on_estimate)
+        if tier.point is not None:
+            return tier
+    return None
+
+
+def nothing_fits(job, runner, overhead, estimator: Estimator, budget_bytes: int, known=None, estimates: int = 0,
+                 cards=CARD_SIZES_GB, on_estimate=None) -> Verdict:
+    """Why nothing is predicted to fit `budget_bytes`, and what would take it: the wall (the phase
+    that stops even the lightest point), the best point that is tight there (`known`: a search's
+    results), and the smallest card of `cards` on which something fits, with its best point."""
+    space, margin = estimator.space, job.settings.margin
+    limit = limit_of(budget_bytes, margin)
+    closest = planner.best_tight(space, known, budget_bytes) if known is not None else None
+    tier = smallest_card(job, runner, overhead, estimator, budget_bytes, cards, on_estimate)
+    would = WouldTake(card_gb=tier.card_gib if tier else None, peak_bytes=tier.peak_bytes if tier else None,
+                      point=tier.point if tier else None, differs=tier.differs if tier else "",
+                      margin_at_most=margin_fitting(closest.peak_bytes, budget_bytes) if closest else None,
+                      tight=space.describe(closest.point) if closest else "",
+                      tight_peak_bytes=closest.peak_bytes if closest else None, largest_gb=cards[-1])
+    wall = wall_of(job, overhead, estimator, limit)
+    counted = f"; {estimates} estimates" if estimates else ""
+    summary = (f"nothing is predicted to fit under the limit of {format_bytes(limit)} "
+               f"({format_bytes(budget_bytes)} less the {margin:.0%} margin{counted})")
+    return Verdict(NO_FIT, wall.peak_bytes if wall else None, budget_bytes, margin, phase=wall.phase if wall else None,
+                   summary=summary, wall=wall, would_take=would)
 
 
 def rows(tiers: list[dict[str, Any]]) -> list[list[str]]:
@@ -124,7 +196,9 @@ def rows(tiers: list[dict[str, Any]]) -> list[list[str]]:
     for tier in tiers:
         label = f"{tier['card_gib']:g} GiB"
         if not tier["fits"]:
-            lines.append([label, "-", "nothing is predicted to fit", ""])
+            wall = tier.get("wall")
+            why = f": {wall['phase']} needs {format_bytes(wall['peak_bytes'])} at the lightest point" if wall else ""
+            lines.append([label, "-", f"does not fit{why}", ""])
             continue
         unproven = "" if tier["proven"] else " (estimate cap reached)"
         lines.append([label, format_bytes(tier["peak_bytes"]), (tier["differs"] or "the job as written") + unproven,

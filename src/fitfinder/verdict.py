@@ -1,0 +1,195 @@
+"""One verdict for a peak against a card: the same three words, JSON field and exit codes in
+every command (estimate, probe, search, tiers, the report).
+
+    fits          the peak is under the limit (the budget less the safety margin)
+    tight         under the budget but over the limit: it may run out (the allocator's rounding,
+                  another process, a shape the probe did not meet); a search never picks it,
+                  unless `--margin 0` makes the limit the budget
+    does not fit  over the budget, or it ran out of memory
+
+Exit codes: 0 for fits and tight (tight with a warning in its line), 1 for does not fit. The
+JSON field is `verdict`; `fits` stays beside it (true for fits and tight: under the budget, as
+it always meant) for readers of the older output.
+
+A `Verdict` says it in lines and JSON, with optional sections after the headline, each a small
+class with `lines()` and `as_json()` under its own key: `Wall` (the phase that stops it, and what
+the recipe holds there) and `WouldTake` (the smallest card that would take it). Sections to come
+slot in the same way: memory by owner at the wall (issue 33 item 1) as more lines of `Wall`, what
+another trainer would need (issue 30) as a section of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fitfinder.units import format_bytes
+
+FITS, TIGHT, NO_FIT = "fits", "tight", "does not fit"
+VERDICTS = (FITS, TIGHT, NO_FIT)
+GiB = 2**30
+# Card sizes as sold, in GB: GPU memory is labelled GB and is GiB (units.py), so a "24 GB" card
+# holds 24 GiB. Consumer cards (8-24), workstation and datacenter cards (32-96), H200 (141).
+CARD_SIZES_GB = (8, 10, 12, 16, 20, 24, 32, 40, 48, 80, 96, 141)
+
+
+def limit_of(budget_bytes: int, margin: float) -> int:
+    """The budget less the safety margin: what a search holds every phase to."""
+    return int(budget_bytes * (1 - margin))
+
+
+def judge(peak_bytes: int | None, budget_bytes: int | None, margin: float) -> str | None:
+    """fits, tight or does not fit; None without a budget or a peak to judge."""
+    if not budget_bytes or peak_bytes is None:
+        return None
+    if peak_bytes > budget_bytes:
+        return NO_FIT
+    return FITS if peak_bytes <= limit_of(budget_bytes, margin) else TIGHT
+
+
+def of_probe(status: str, under_limit: bool | None, peak_bytes: int | None, budget_bytes: int | None) -> str | None:
+    """The verdict of one of a search's probes: fits when the search read it as under the limit
+    (`under_limit`: the planner's fit), tight when it ran under the budget but not under the limit,
+    does not fit when it ran out of memory or over the budget; None when it says nothing about
+    memory (a crash, a hang)."""
+    if under_limit:
+        return FITS
+    if status == "ok":
+        return NO_FIT if budget_bytes and peak_bytes is not None and peak_bytes > budget_bytes else TIGHT
+    return NO_FIT if status == "oom" else None
+
+
+def exit_code(verdict: str | None) -> int:
+    """0 for fits and tight (and no verdict: nothing to judge against), 1 for does not fit."""
+    return 1 if verdict == NO_FIT else 0
+
+
+def smallest_card(peak_bytes: int, margin: float, cards=CARD_SIZES_GB) -> float | None:
+    """The smallest card of `cards` whose limit holds `peak_bytes`, or None if none does."""
+    return next((card for card in cards if peak_bytes <= limit_of(int(card * GiB), margin)), None)
+
+
+# -- the sections ---------------------------------------------------------------------------------
+@dataclass
+class Wall:
+    """The phase that stops a point: its peak, and what the recipe holds there when it knows."""
+
+    KEY = "wall"
+
+    phase: str
+    peak_bytes: int
+    why: str = ""  # e.g. the part the loader quantizes on the card (models.load_note)
+    point: str = ""  # which point, when it is not the job as written: "even at the lightest point (...)"
+
+    def lines(self) -> list[str]:
+        where = f" {self.point}" if self.point else ""
+        lines = [f"the wall: {self.phase}, {format_bytes(self.peak_bytes)}{where}"]
+        if self.why:
+            lines.append(f"  {self.why}")  # memory by owner (issue 33 item 1) goes under it, largest first
+        return lines
+
+    def as_json(self) -> dict[str, Any]:
+        return {"phase": self.phase, "peak_bytes": self.peak_bytes, "why": self.why or None,
+                "point": self.point or None}
+
+
+@dataclass
+class WouldTake:
+    """What would take it: the smallest card of CARD_SIZES_GB that does (the best point predicted
+    to fit there, its peak, the knobs that differ from the job file), and where a point is tight
+    on this card, the margin under which it counts as fitting."""
+
+    KEY = "would_take"
+
+    card_gb: float | None  # None: not even the largest card
+    peak_bytes: int | None = None
+    point: dict[str, Any] | None = None
+    differs: str = ""  # as the trial lines write them; '' for the job as written
+    margin_at_most: float | None = None  # a tight point here: it fits with a margin this small
+    tight: str = ""  # that point, when it is not the one the headline judged
+    tight_peak_bytes: int | None = None
+    largest_gb: float = CARD_SIZES_GB[-1]
+
+    def lines(self) -> list[str]:
+        lines = []
+        if self.margin_at_most is not None:
+            which = f"{self.tight} (peak {format_bytes(self.tight_peak_bytes)}) is tight here: " if self.tight else ""
+            lines.append(f"{which}with --margin {self.margin_at_most:.2f} or less it fits this card")
+        if self.card_gb is None:
+            lines.append(f"no card up to {self.largest_gb:g} GB is predicted to take it")
+        else:
+            how = f", with {self.differs}" if self.differs else ", as written"
+            lines.append(f"the smallest card that takes it: {self.card_gb:g} GB{how} "
+                         f"(peak {format_bytes(self.peak_bytes)})")
+        return lines
+
+    def as_json(self) -> dict[str, Any]:
+        return {"card_gb": self.card_gb, "peak_bytes": self.peak_bytes, "point": self.point,
+                "differs": self.differs, "margin_at_most": self.margin_at_most,
+                "tight": self.tight or None, "tight_peak_bytes": self.tight_peak_bytes}
+
+
+# -- the verdict --------------------------------------------------------------------------------
+@dataclass
+class Verdict:
+    """A peak against a budget: the headline, then the sections that explain it."""
+
+    verdict: str | None
+    peak_bytes: int | None
+    budget_bytes: int | None
+    margin: float
+    phase: str | None = None  # where it ran out, or the first phase over the budget
+    ran_out: bool = False  # measured: the probe ran out of memory (its peak is where it failed)
+    summary: str = ""  # what follows the verdict word, where it judges a search rather than one point
+    wall: Wall | None = None
+    would_take: WouldTake | None = None
+
+    @classmethod
+    def of(cls, peak_bytes: int | None, budget_bytes: int | None, margin: float, **more) -> "Verdict":
+        return cls(judge(peak_bytes, budget_bytes, margin), peak_bytes, budget_bytes, margin, **more)
+
+    @property
+    def limit_bytes(self) -> int | None:
+        return limit_of(self.budget_bytes, self.margin) if self.budget_bytes else None
+
+    @property
+    def exit_code(self) -> int:
+        return exit_code(self.verdict)
+
+    def sections(self) -> list:
+        return [s for s in (self.wall, self.would_take) if s is not None]
+
+    def headline(self) -> str:
+        peak, budget, limit = (format_bytes(v) for v in (self.peak_bytes, self.budget_bytes, self.limit_bytes))
+        limit_is = f"limit {limit}: the budget less the {self.margin:.0%} margin"
+        if self.summary:
+            return f"{self.verdict}: {self.summary}"
+        if self.verdict is None:
+            return f"peak {peak}; give --vram to judge it against a card"
+        if self.verdict == FITS:
+            return (f"fits: peak {peak} of {budget}, {format_bytes(self.budget_bytes - self.peak_bytes)} to spare "
+                    f"(under the {limit_is})")
+        if self.verdict == TIGHT:
+            return (f"tight: peak {peak} of {budget}, {format_bytes(self.peak_bytes - self.limit_bytes)} past the "
+                    f"{limit_is}; warning: it may run out, and a search picks it only with --margin 0")
+        if self.ran_out:
+            return f"does not fit: it ran out of memory in {self.phase} ({peak} in use or asked for, budget {budget})"
+        where = f"; it would run out in {self.phase}" if self.phase else ""
+        return (f"does not fit: peak {peak} of {budget}, "
+                f"{format_bytes(self.peak_bytes - self.budget_bytes)} over{where}")
+
+    def lines(self) -> list[str]:
+        """The headline, then each section's lines; a bare wall (no why, no other point) whose
+        phase the headline already names says nothing more and is left out."""
+        sections = [s for s in self.sections()
+                    if not (s is self.wall and not (s.why or s.point) and s.phase == self.phase)]
+        return [self.headline(), *(line for section in sections for line in section.lines())]
+
+    def as_json(self) -> dict[str, Any]:
+        """The fields every command's JSON carries: `verdict`, `fits` (under the budget: fits or
+        tight), `limit_bytes`, and each section under its key (null when absent)."""
+        found = {"verdict": self.verdict, "fits": None if self.verdict is None else self.verdict != NO_FIT,
+                 "limit_bytes": self.limit_bytes}
+        found.update({cls.KEY: None for cls in (Wall, WouldTake)})
+        found.update({section.KEY: section.as_json() for section in self.sections()})
+        return found
