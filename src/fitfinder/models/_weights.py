@@ -166,7 +166,7 @@ def quantize(module: torch.nn.Module, qtype: str, repeated=None) -> int:
     each full-precision weight by its quantized copy, one layer after the other: the transient is
     one layer. The same happens here layer by layer. As quanto's own loop does, a diffusers model's
     fp32-kept modules stay as they are (Wan casts its timestep to the dtype of its time embedder).
-    `repeated` is the meter's (see meter.EstimateMeter.repeated): on fake tensors, a layer of a
+    `repeated` is the meter's (see meters.EstimateMeter.repeated): on fake tensors, a layer of a
     shape already quantized is made by copying that layer's layout instead of running the ops.
     Returns the number of layers quantized.
     """

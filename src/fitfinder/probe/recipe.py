@@ -55,7 +55,7 @@ def run(request: ProbeRequest) -> ProbeResult:
     """Load, encode, sample, train `steps` steps, sample; report the peak of each phase."""
     import gc
 
-    from fitfinder.probe import meter as meters  # torch: only in the child (and the estimate's process)
+    from fitfinder.probe import meters  # torch: only in the child (and the estimate's process)
 
     _quiet_libraries()
     # The imported libraries' objects never become garbage: freezing them makes each phase's
