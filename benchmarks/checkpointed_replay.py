@@ -1,5 +1,5 @@
 """Full-size estimates with the checkpointed blocks of the training step replayed and run: the same
-phases to the byte, and what the replay saves (meter.CheckpointedBlocks).
+phases to the byte, and what the replay saves (meters.CheckpointedBlocks).
 
 Each job is estimated by `fitfinder estimate JOB --vram 24GiB --json` in a fresh process, with
 FITFINDER_REPLAY_CHECKPOINTED=1 (the default) and =0, one after the other; every phase's

@@ -1,5 +1,5 @@
 """What the garbage collector costs one estimate, with the estimate meter freezing what survives
-each phase's collection (`meter.EstimateMeter.phase`) and without.
+each phase's collection (`meters.EstimateMeter.phase`) and without.
 
 The estimate meter collects at the start of every phase, so that what the last phase left for
 the collector does not count in the next. Each such collection scanned the whole pipeline (the
@@ -28,11 +28,12 @@ ONE_ESTIMATE = """
 import gc, json, sys, time, types
 from pathlib import Path
 from fitfinder import jobconfig
-from fitfinder.probe import estimate, meter
+from fitfinder.probe import estimate
+from fitfinder.probe.meters import estimate as estimate_meter
 from fitfinder.probe.overhead import GpuOverhead
 
 if sys.argv[2] == "off":  # the meter's phases collect but freeze nothing
-    meter.gc = types.SimpleNamespace(collect=gc.collect, freeze=lambda: None, unfreeze=gc.unfreeze)
+    estimate_meter.gc = types.SimpleNamespace(collect=gc.collect, freeze=lambda: None, unfreeze=gc.unfreeze)
 job = jobconfig.load(Path(sys.argv[1]))
 job.settings.vram_bytes = 24 * 2**30
 request = estimate.request_for(job, GpuOverhead())

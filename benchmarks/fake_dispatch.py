@@ -2,13 +2,13 @@
 FakeTensorMode's own.
 
 The estimate runs every op of a job on fake tensors under one counting FakeTensorMode
-(`meter._counting_fake_mode`); nearly every op is answered from FakeTensorMode's cache: a key is
-built per op, and the output made from the cache entry. The counting mode keys a fake argument on
-one tuple of its layout (`meter._key_by_layout`), where FakeTensorMode's own key builds a metadata
-record per argument and flattens it field by field; and it makes a new output in one step
-(`meter._new_output_from_cache`). Some ops it answers without the cache: new empty tensors and
-views in C++ (`meter._DIRECT_OPS`), `_unsafe_view` as the cached `view` (`meter._same_fake_ops`),
-and it caches quanto's matmul (`meter._cacheable_quanto_ops`).
+(`probe/meters/_fake_mode.py`, `counting_fake_mode`); nearly every op is answered from
+FakeTensorMode's cache: a key is built per op, and the output made from the cache entry. The
+counting mode keys a fake argument on one tuple of its layout (`_key_by_layout`), where
+FakeTensorMode's own key builds a metadata record per argument and flattens it field by field;
+and it makes a new output in one step (`_new_output_from_cache`). Some ops it answers without
+the cache: new empty tensors and views in C++ (`_DIRECT_OPS`), `_unsafe_view` as the cached
+`view` (`_same_fake_ops`), and it caches quanto's matmul (`_cacheable_quanto_ops`).
 This times, in one process and side by side:
 
 - ops:        a few ops of a transformer's training step on fake bf16 tensors (each once to fill
@@ -51,10 +51,10 @@ def _mode(variant: str):
     too, or its own key and outputs too."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fitfinder.probe import meter
+    from fitfinder.probe.meters import AllocatorTracker, _fake_mode
 
     FakeTensorMode.cache.clear()  # shared by every mode: what one variant cached, another would hit
-    mode = meter._counting_fake_mode(meter.AllocatorTracker())
+    mode = _fake_mode.counting_fake_mode(AllocatorTracker())
     cls = type(mode)  # a class of its own per mode
     if variant != "estimate":
         cls.direct, cls.same_as, cls.cacheable_quanto_ops = {}, {}, frozenset()

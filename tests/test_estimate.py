@@ -7,7 +7,8 @@ import os
 import pytest
 
 from fitfinder import jobconfig, probe
-from fitfinder.probe import estimate, meter
+from fitfinder.probe import estimate, meters
+from fitfinder.probe.meters import _fake_mode
 from fitfinder.probe.overhead import GpuOverhead
 from tests.conftest import DEMO, EXAMPLES, ROOT
 
@@ -34,7 +35,7 @@ def test_the_meter_rounds_as_the_caching_allocator_and_adds_the_overhead():
     from torch._subclasses.fake_tensor import FakeTensor
 
     overhead = GpuOverhead(context_bytes=500 * MiB, workspace_bytes=8 * MiB, fragmentation=0.1, source="test")
-    estimating = meter.EstimateMeter(None, overhead.as_dict())
+    estimating = meters.EstimateMeter(None, overhead.as_dict())
     with estimating:
         with estimating.phase("load"):
             kept = [torch.empty(1000, dtype=torch.uint8), torch.empty(1), torch.empty(0)]
@@ -57,7 +58,7 @@ def test_the_meter_counts_real_tensors_made_where_values_are_needed():
     import torch
     from torch._subclasses.fake_tensor import FakeTensor
 
-    estimating = meter.EstimateMeter(None, GpuOverhead.none().as_dict())
+    estimating = meters.EstimateMeter(None, GpuOverhead.none().as_dict())
     with estimating:
         with estimating.phase("train"):
             with estimating.concrete():
@@ -98,16 +99,16 @@ def test_the_estimate_answers_each_op_with_the_layout_fake_tensor_mode_gives():
         return found
 
     expected = answers(FakeTensorMode(allow_non_fake_inputs=True))
-    counting = meter._counting_fake_mode(meter.AllocatorTracker())
-    assert type(counting)._prep_args_for_hash is meter._key_by_layout  # this torch takes the layout key
-    assert type(counting)._get_output_tensor_from_cache_entry is meter._new_output_from_cache  # and new outputs
+    counting = _fake_mode.counting_fake_mode(meters.AllocatorTracker())
+    assert type(counting)._prep_args_for_hash is _fake_mode._key_by_layout  # this torch takes the layout key
+    assert type(counting)._get_output_tensor_from_cache_entry is _fake_mode._new_output_from_cache  # and new outputs
     hits = FakeTensorMode.cache_hits
     assert answers(counting) == expected
     assert FakeTensorMode.cache_hits - hits >= 64  # the answers came from the counting mode's keys
 
 
 def test_the_meters_walks_give_what_modules_parameters_and_buffers_give():
-    """The meters' walks without names (meter.submodules, meter.members) keep torch's order and give
+    """The meters' walks without names (meters.submodules, meters.members) keep torch's order and give
     each module and tensor once: a module held twice and a parameter tied across blocks included."""
     import torch
 
@@ -116,10 +117,10 @@ def test_the_meters_walks_give_what_modules_parameters_and_buffers_give():
     blocks[2][0].weight = blocks[1][0].weight  # a tied parameter
     blocks[1].register_buffer("codes", torch.zeros(2))
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), blocks, torch.nn.BatchNorm1d(4))
-    modules = meter.submodules(model)
+    modules = meters.submodules(model)
     assert modules == list(model.modules())
-    assert meter.members(modules) == list(model.parameters())
-    assert meter.members(modules, "_buffers") == list(model.buffers())
+    assert meters.members(modules) == list(model.parameters())
+    assert meters.members(modules, "_buffers") == list(model.buffers())
 
 
 _DIRECT_ANSWERS_CROSSCHECKED = """
@@ -127,19 +128,20 @@ import collections, json
 import torch._dynamo.config
 from fitfinder import probe
 from fitfinder.models import FAMILIES
-from fitfinder.probe import estimate, meter
+from fitfinder.probe import estimate
+from fitfinder.probe.meters import _fake_mode
 from fitfinder.probe.overhead import GpuOverhead
 from tests.conftest import tiny_job
 
-meter.CROSSCHECK_DIRECT_OPS = True
+_fake_mode.CROSSCHECK_DIRECT_OPS = True
 torch._dynamo.config.fake_tensor_cache_crosscheck_enabled = True  # FakeTensorMode's check of its cache hits
-checked, crosscheck = collections.Counter(), meter._crosscheck
+checked, crosscheck = collections.Counter(), _fake_mode._crosscheck
 
 def counted(out, expected, func, args):
     crosscheck(out, expected, func, args)
     checked[str(func)] += 1
 
-meter._crosscheck = counted
+_fake_mode._crosscheck = counted
 statuses = {}
 for family in FAMILIES:
     job = tiny_job(family, {"model.quantize": True})
@@ -152,7 +154,7 @@ print(json.dumps({"statuses": statuses, "checked": checked}))
 
 @pytest.mark.slow
 def test_the_ops_the_counting_mode_answers_itself_or_from_the_cache_get_fake_tensor_modes_answers():
-    """The counting mode answers new empty tensors and views itself (meter._DIRECT_OPS): with its
+    """The counting mode answers new empty tensors and views itself (_fake_mode._DIRECT_OPS): with its
     crosscheck on, each answer is held to FakeTensorMode's own for the same op (sizes, strides,
     offset, storage size and which input's storage it shares, device, dtype, flags). It also makes
     the cache's outputs its own way and caches quanto's matmul: with FakeTensorMode's crosscheck
@@ -253,7 +255,7 @@ def _stack(kind: str, count: int = 4):
 def _run_stack(kind: str, replay: bool):
     import torch
 
-    estimating = meter.EstimateMeter(None, GpuOverhead.none().as_dict())
+    estimating = meters.EstimateMeter(None, GpuOverhead.none().as_dict())
     with estimating:
         with estimating.phase("load"):
             blocks = _stack(kind)
@@ -398,7 +400,7 @@ def _optimizer_and_ema_steps(optimizer_name: str, replay: bool):
 
     from fitfinder import optimizers
 
-    estimating = meter.EstimateMeter(None, GpuOverhead.none().as_dict())
+    estimating = meters.EstimateMeter(None, GpuOverhead.none().as_dict())
     with estimating:
         with estimating.phase("load"):
             params = [torch.nn.Parameter(torch.empty(shape, dtype=torch.bfloat16))

@@ -36,7 +36,7 @@ def _checkpointed_blocks(qtype: str | None, blocks: int = 8, width: int = 256):
     from peft import LoraConfig, inject_adapter_in_model
     from torch.utils.checkpoint import checkpoint
 
-    from fitfinder.probe.meter import StorageTracker, inner_tensors, tensors_of
+    from fitfinder.probe.meters import StorageTracker, inner_tensors, tensors_of
     from fitfinder.models._weights import quantize
 
     stack = _mlp_stack(blocks, width)
@@ -73,7 +73,7 @@ def test_checkpointed_8_bit_blocks_keep_no_more_than_plain_ones(qtype):
 def test_quanto_weights_count_their_inner_tensors():
     import torch
 
-    from fitfinder.probe.meter import StorageTracker, tensors_of
+    from fitfinder.probe.meters import StorageTracker, tensors_of
     from fitfinder.models._weights import quantize
 
     layer = torch.nn.Sequential(torch.nn.Linear(512, 256, bias=False, dtype=torch.bfloat16))
@@ -93,7 +93,7 @@ def test_grouped_formats_hold_the_bytes_ai_toolkit_holds(qtype, packed):
     uint4 is 0.5 + 3/64 = 0.547 bytes per weight."""
     import torch
 
-    from fitfinder.probe.meter import tensors_of
+    from fitfinder.probe.meters import tensors_of
     from fitfinder.models._weights import GroupedLinear, quantize
 
     torch.manual_seed(0)
@@ -134,7 +134,7 @@ def test_the_lora_trains_in_fp32_whatever_the_training_dtype(run_tiny):
     """A bf16 job: the LoRA's weights (and so its gradients and optimizer state) are fp32."""
     import torch
 
-    from fitfinder.probe import meter as meters
+    from fitfinder.probe import meters
 
     request = probe.request_for(tiny_job("flux", {"train.dtype": "bf16"}), 1, "sim", None)
     pipe = models.load_pipeline(request["model"], request, meters.SimMeter(None))
@@ -206,7 +206,7 @@ def test_a_preview_in_the_middle_of_an_accumulation_holds_the_gradients(run_tiny
     gradient_accumulation accumulates inside one step, so none is alive between steps."""
     import torch
 
-    from fitfinder.probe import meter as meters
+    from fitfinder.probe import meters
 
     steps = run_tiny("flux", {"train.gradient_accumulation_steps": 2})
     inside = run_tiny("flux", {"train.gradient_accumulation": 2})
@@ -230,7 +230,7 @@ def _offloaded_blocks(share: float, blocks: int = 8, width: int = 256):
     from torch.utils.checkpoint import checkpoint
 
     from fitfinder.models import _offload
-    from fitfinder.probe import meter as meters
+    from fitfinder.probe import meters
 
     stack = _mlp_stack(blocks, width)
     meter = meters.SimMeter(None)
@@ -287,7 +287,7 @@ def test_a_share_of_0_is_no_offloading_byte_for_byte_and_more_offloading_is_ligh
 
 def test_the_weights_of_offloaded_layers_stay_in_host_memory_in_every_phase():
     """The sim meter counts the device: after load, the parts hold exactly the offloaded weights less."""
-    from fitfinder.probe import meter as meters
+    from fitfinder.probe import meters
 
     def placed(changes):
         request = probe.request_for(tiny_job("wan21", changes), 1, "sim", None)
@@ -375,7 +375,7 @@ def test_qint4_runs_as_quanto_lays_it_out_and_the_estimate_counts_its_bytes():
     import torch
 
     from fitfinder.models._weights import quantize
-    from fitfinder.probe import meter as meters
+    from fitfinder.probe import meters
     from fitfinder.probe.overhead import GpuOverhead
 
     # Once outside the meters, as in a probe's preloaded server: a process's first quantization makes
@@ -392,7 +392,7 @@ def test_a_qint4_weight_holds_half_a_byte_and_a_scale_and_midpoint_per_128():
     import torch
 
     from fitfinder.models._weights import quantize
-    from fitfinder.probe.meter import inner_tensors, tensors_of
+    from fitfinder.probe.meters import inner_tensors, tensors_of
 
     layer = torch.nn.Sequential(torch.nn.Linear(512, 256, bias=False, dtype=torch.bfloat16))
     quantize(layer, "qint4")
@@ -446,7 +446,7 @@ def test_low_vram_lowers_the_load_and_the_previews_it_claims_and_every_part_is_o
 
 def _loaded(family: str, changes: dict):
     """A tiny job's pipeline loaded on the sim meter, and the meter (its load phase's peak read back)."""
-    from fitfinder.probe import meter as meters
+    from fitfinder.probe import meters
 
     request = probe.request_for(tiny_job(family, changes), 1, "sim", None)
     meter = meters.SimMeter(None)
@@ -461,7 +461,7 @@ def _bf16_bytes(module) -> int:
 
 def _frozen_bytes(module) -> int:
     """The bytes of a part's own weights (a quantized one's inner tensors), its LoRA left out."""
-    from fitfinder.probe.meter import inner_tensors
+    from fitfinder.probe.meters import inner_tensors
 
     held = [*(p for p in module.parameters() if not p.requires_grad), *module.buffers()]
     return sum(inner.untyped_storage().nbytes() for tensor in held for inner in inner_tensors(tensor))

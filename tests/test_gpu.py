@@ -25,7 +25,7 @@ def _cuda(job, budget=None, steps=3):
 def test_cuda_meter_measures_each_phase_with_the_memory_outside_pytorch():
     import torch
 
-    from fitfinder.probe.meter import CudaMeter
+    from fitfinder.probe.meters import CudaMeter
 
     meter = CudaMeter(None, 0)
     with meter:

@@ -251,7 +251,7 @@ class Ema:
             self.update_one(shadow, param)
 
     def update_one(self, shadow: torch.Tensor, param: torch.Tensor) -> None:
-        """One parameter's step (the estimate meter replays repeats of a layout: meter.RepeatedUpdates)."""
+        """One parameter's step (the estimate meter replays repeats of a layout: meters.RepeatedUpdates)."""
         shadow_fp32 = shadow.float()  # the shadow itself when it is fp32
         weight_fp32 = param if param.dtype == torch.float32 else param.to(torch.float32)
         difference = shadow_fp32 - weight_fp32
@@ -273,7 +273,7 @@ class Ema:
             for stored, param in zip(self.stored, self.params):
                 self.write(param, stored)
 
-    # One tensor each, so that the estimate meter can replay repeats of a layout (meter.RepeatedUpdates).
+    # One tensor each, so that the estimate meter can replay repeats of a layout (meters.RepeatedUpdates).
     def copy_of(self, param: torch.Tensor) -> torch.Tensor:
         return param.clone()
 

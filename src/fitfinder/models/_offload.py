@@ -111,7 +111,7 @@ def attach(part: torch.nn.Module, percent: float, meter, rings: Rings) -> int:
             else:
                 meter.release(param)
             # AI Toolkit's mark (BaseLayerMemoryManager.attach): the meters count no marked
-            # parameter as the device's (meter.tensors_of), and the part's `to` leaves it be.
+            # parameter as the device's (meters.tensors_of), and the part's `to` leaves it be.
             param._is_memory_managed = True
         layer.forward = _bounced(layer, meter, rings)
         layer.offloaded = True

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from fitfinder.models import FAMILIES, cache_dir
+from fitfinder.models._meta import parameter, plain_meta
 
 # Random parts up to this size (fp32) are saved once and read back like real weights.
 SAVE_RANDOM_UP_TO_BYTES = 512 * 2**20
@@ -166,7 +167,7 @@ def quantize(module: torch.nn.Module, qtype: str, repeated=None) -> int:
     each full-precision weight by its quantized copy, one layer after the other: the transient is
     one layer. The same happens here layer by layer. As quanto's own loop does, a diffusers model's
     fp32-kept modules stay as they are (Wan casts its timestep to the dtype of its time embedder).
-    `repeated` is the meter's (see meter.EstimateMeter.repeated): on fake tensors, a layer of a
+    `repeated` is the meter's (see meters.EstimateMeter.repeated): on fake tensors, a layer of a
     shape already quantized is made by copying that layer's layout instead of running the ops.
     Returns the number of layers quantized.
     """
@@ -241,8 +242,6 @@ def _meta(tensor: torch.Tensor):
 def _like(layout: tuple, linear: torch.nn.Linear) -> torch.nn.Module:
     """A quantized layer of a recorded layout, with fresh tensors and `linear`'s bias: what
     quantizing `linear` makes, without computing it (the estimate's repeats)."""
-    from fitfinder.models import _fake  # imports this module
-
     described, templates = layout
     device = linear.weight.device
     fresh = {name: _empty_like(template, device) for name, template in templates.items()}
@@ -252,11 +251,11 @@ def _like(layout: tuple, linear: torch.nn.Linear) -> torch.nn.Module:
             layer.register_buffer(name, tensor, persistent=False)
         return layer
     cls, qtype, weight_cls, context, size, stride = described
-    with _fake.plain_meta():  # its meta Linear without the kaiming fills (_fake._no_init)
+    with plain_meta():  # its meta Linear without the kaiming fills (_meta._no_init)
         layer = cls.qcreate(linear, qtype, device="meta")
     layer.input_scale, layer.output_scale = fresh.pop("input_scale"), fresh.pop("output_scale")
     weight = weight_cls.__tensor_unflatten__(fresh, context, size, stride)
-    layer.weight, layer.bias = _fake.parameter(weight, requires_grad=False), linear.bias
+    layer.weight, layer.bias = parameter(weight, requires_grad=False), linear.bias
     return layer
 
 
@@ -278,11 +277,9 @@ def _quanto_linear(linear: torch.nn.Linear, qtype_name: str) -> torch.nn.Module:
     from optimum import quanto
     from optimum.quanto.nn import QLinear
 
-    from fitfinder.models import _fake  # imports this module
-
     _give_quanto_a_fake_path()
     weight = linear.weight
-    with _fake.plain_meta():
+    with plain_meta():
         layer = QLinear.qcreate(linear, getattr(quanto, qtype_name), device="meta")
     layer.input_scale = torch.ones((), dtype=weight.dtype, device=weight.device)
     layer.output_scale = torch.ones((), dtype=weight.dtype, device=weight.device)

@@ -4,8 +4,9 @@
 - protocol.py: the request and result, the process boundary's two halves
 - recipe.py: the child's recipe, phase by phase (`python -m fitfinder.probe` runs one)
 - runner.py: the parent's side, probes in fresh processes with a timeout
-- meter.py: peak memory per phase (sim, cuda, estimate); overhead.py: what a card holds beyond
-  the tensors (`fitfinder calibrate`); estimate.py: a probe on fake tensors (`fitfinder estimate`)
+- meters/: peak memory per phase (sim, cuda, estimate), a module per meter, the trackers and
+  the estimate's replays; overhead.py: what a card holds beyond the tensors (`fitfinder
+  calibrate`); estimate.py: a probe on fake tensors (`fitfinder estimate`)
 - preflight.py: is the card clean; faults.py: the test hooks that break a probe on purpose
 
 Nothing here knows about the search: the layers above (search/, results/) import this, never

@@ -37,7 +37,7 @@ try:
     import fitfinder.models  # noqa: F401
     import fitfinder.models._pipeline  # noqa: F401
     import fitfinder.oom  # noqa: F401
-    import fitfinder.probe.meter  # noqa: F401
+    import fitfinder.probe.meters  # noqa: F401
     import fitfinder.probe.recipe  # noqa: F401
 
     # The libraries' objects live as long as the process: frozen, no collection scans them

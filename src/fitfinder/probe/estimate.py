@@ -1,6 +1,6 @@
 """fitfinder estimate: a job's peak memory per phase, predicted on a CPU, with no GPU and no weights.
 
-The probe's own recipe (recipe.py) runs on the estimate meter (meter.EstimateMeter): the job's
+The probe's own recipe (recipe.py) runs on the estimate meter (meters.EstimateMeter): the job's
 full-size architecture as fake tensors (models._fake), every phase as a probe runs it, the
 storage tracker counting the bytes a card would hold. Two differences from a probe, both about
 time and neither about memory:
@@ -158,7 +158,7 @@ class InProcess:
     def run(self, request: ProbeRequest, log_path=None) -> ProbeResult:
         with _quiet_fds():
             import fitfinder.probe._preload  # noqa: F401 - the libraries, once, before the clock starts
-        from fitfinder.probe.meter import EstimateMeter
+        from fitfinder.probe.meters import EstimateMeter
 
         # The last estimate's garbage, before probe.run freezes what is alive, and before the
         # timeout starts: an alarm that rang while the collector ran a finalizer would be lost.

@@ -122,7 +122,7 @@ class ProbeResult(TypedDict, total=False):
     meter: str  # the meter, described
     budget_bytes: Optional[int]
     outside_bytes: Optional[int]  # cuda: memory outside PyTorch's allocator (in every peak); estimate: the context
-    replayed: dict[str, int]  # estimate: blocks and updates replayed instead of run, by kind (meter.EstimateMeter)
+    replayed: dict[str, int]  # estimate: blocks and updates replayed instead of run, by kind (meters.EstimateMeter)
     max_rss_bytes: int  # host memory of the probe process at its highest
     cpu_seconds: float
     wall_seconds: float  # the runner's clock, start to result

@@ -57,7 +57,7 @@ def run(request: ProbeRequest, watch=None) -> ProbeResult:
     its `current_phase` from another thread)."""
     import gc
 
-    from fitfinder.probe import meter as meters  # torch: only in the child (and the estimate's process)
+    from fitfinder.probe import meters  # torch: only in the child (and the estimate's process)
 
     _quiet_libraries()
     # The imported libraries' objects never become garbage: freezing them makes each phase's

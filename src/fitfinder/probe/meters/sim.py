@@ -1,0 +1,99 @@
+"""The sim meter: the CPU as a GPU of a given budget, raising a real out-of-memory error past it.
+
+Every live tensor storage made on the (simulated) device is counted by a `StorageTracker`; the
+probe really runs, on one CPU thread, so it fails where and as it would on the card.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from contextlib import contextmanager, nullcontext
+from typing import Any, Iterator
+
+import torch
+
+from fitfinder.probe.meters._clock import PhaseClock
+from fitfinder.probe.meters._tensors import tensors_of
+from fitfinder.probe.meters._tracker import StorageTracker
+from fitfinder.units import format_bytes
+
+
+class SimMeter(PhaseClock):
+    """CPU stand-in for a GPU of `budget_bytes`: live tensor bytes, OOM past the budget."""
+
+    kind = "sim"
+    device = torch.device("cpu")
+
+    def __init__(self, budget_bytes: int | None):
+        super().__init__()
+        self.budget_bytes = budget_bytes
+        self.tracker = StorageTracker(budget_bytes)
+
+    def __enter__(self) -> "SimMeter":
+        # Tiny random models underflow into denormal floats, which the CPU computes up to 10x
+        # slower; a GPU flushes them anyway. Memory is what is measured here, and it is unchanged.
+        torch.set_flush_denormal(True)
+        # One thread: a tiny model gains nothing from more, and on a shared CPU several threads
+        # per probe wait on each other (10x slower when the cores are busy elsewhere).
+        torch.set_num_threads(1)
+        self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.tracker.__exit__(*exc)
+
+    def step_clock(self) -> float:
+        # The probe computes on this one thread: its CPU time is what a step costs, and other
+        # work on a shared machine does not inflate it as it does wall time (by 3x beside two
+        # CPU-bound processes on two cores, benchmarks/timing_noise.py).
+        return time.thread_time()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self.current_phase = name
+        gc.collect()  # what the last phase left for the collector must not count in this one
+        self.tracker.peak_bytes = self.tracker.live_bytes
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            peak = self.tracker.peak_bytes
+            self._record(name, peak, peak, time.perf_counter() - start)
+
+    @contextmanager
+    def host(self) -> Iterator[None]:
+        """Tensors made inside live in host memory: not counted until `to_device`."""
+        self.tracker.paused += 1
+        try:
+            yield
+        finally:
+            self.tracker.paused -= 1
+
+    def concrete(self):
+        return nullcontext()  # every tensor here is real
+
+    def register(self, *objects: Any) -> None:
+        for tensor in tensors_of(*objects):
+            self.tracker.add(tensor)
+
+    def release(self, *objects: Any) -> None:
+        for tensor in tensors_of(*objects):
+            self.tracker.drop(tensor)
+
+    def to_device(self, obj: Any) -> Any:
+        """Bring a module or tensor onto the (simulated) device: it counts from now on."""
+        self.register(obj)
+        return obj
+
+    def to_host(self, obj: Any) -> Any:
+        """Move a module or tensor off the (simulated) device: it stops counting."""
+        self.release(obj)
+        return obj
+
+    @property
+    def live_bytes(self) -> int:
+        return self.tracker.live_bytes
+
+    def describe(self) -> str:
+        return f"sim meter, budget {format_bytes(self.budget_bytes)}" if self.budget_bytes else "sim meter, no budget"
