@@ -31,6 +31,10 @@ NameArg = typer.Argument(..., help="Study name (as in studies/NAME.db and result
 StorageOpt = typer.Option(None, "--storage", help="Optuna storage URL [sqlite:///studies/NAME.db].")
 StudiesDirOpt = typer.Option(Path("studies"), "--studies-dir", help="Where SQLite studies live.")
 ResultsDirOpt = typer.Option(Path("results"), "--results-dir", help="Where results/NAME/ goes.")
+TrainerOpt = typer.Option(None, "--trainer-command",
+                          help="Probe with your trainer: its command line, {job} where it takes the job file, e.g. "
+                               "\"python /opt/ai-toolkit/run.py {job}\" (docs/trainer-probe.md; overrides "
+                               "`fitfinder: trainer_command`).")
 
 
 def _friendly(command):
@@ -81,6 +85,7 @@ def search(
         None, "--guided/--no-guided",
         help="Plan on estimates and probe only where they cannot decide (near the limit), the speed "
              "settings' timings and the winner's proof [on with --gpu, off with the sim meter]."),
+    trainer_command: Optional[str] = TrainerOpt,
     json_output: bool = JsonOpt,
 ) -> None:
     """Search the best configuration that fits; export it as results/NAME/best.yaml."""
@@ -90,7 +95,8 @@ def search(
     from fitfinder.units import format_bytes
 
     out = Output(json_output, fancy=False if worker else None)
-    job = _load(job_file, vram=vram, margin=margin, trials=trials, probe_steps=probe_steps, timeout=timeout)
+    job = _load(job_file, vram=vram, margin=margin, trials=trials, probe_steps=probe_steps, timeout=timeout,
+                trainer_command=trainer_command)
     budget_given = job.settings.vram_bytes is not None
     meter, gpus = _meter(gpu, job, out)
     if workers < 1:
@@ -153,6 +159,7 @@ def probe(
     vram: Optional[str] = VramOpt,
     steps: Optional[int] = typer.Option(None, "--steps", help="Training steps [probe_steps, 20]."),
     timeout: Optional[float] = typer.Option(None, "--timeout", help="Seconds before the probe is killed [600]."),
+    trainer_command: Optional[str] = TrainerOpt,
     json_output: bool = JsonOpt,
 ) -> None:
     """Run one probe of the job file as written and print the peak of each phase.
@@ -162,21 +169,26 @@ def probe(
     bytes), phase_stats, seconds_per_step, error.
     """
     from fitfinder import probe as probing
+    from fitfinder.probe import trainer
     from fitfinder.results.output import Output, usage_bar
     from fitfinder.units import format_bytes
 
     out = Output(json_output)
-    job = _load(job_file, vram=vram, probe_steps=steps, timeout=timeout, names={"probe_steps": "--steps"})
+    job = _load(job_file, vram=vram, probe_steps=steps, timeout=timeout, names={"probe_steps": "--steps"},
+                trainer_command=trainer_command)
     meter, gpus = _meter(gpu, job, out, need_budget=False)
     gpu_index = gpus[0]
     request = probing.request_for(job, job.settings.probe_steps, meter, job.settings.vram_bytes, gpu_index)
-    result = probing.ProbeRunner(job.settings.probe_timeout).run(request)
+    result = trainer.one_probe_runner(job.settings).run(request)
     out.result(result)
     out.line(f"{result.get('meter') or meter}: {result['status']}"
              + (f" in phase {result['phase']}" if result.get("phase") else ""))
-    rows = [[name, format_bytes(p["peak_allocated"]), format_bytes(p["peak_reserved"]), f"{p['seconds']:.2f}"]
-            for name, p in result.get("phase_stats", {}).items()]
-    out.table(["phase", "peak allocated", "peak reserved", "seconds"], rows)
+    if "trainer_run" in result:
+        _print_trainer_probe(out, result, meter)
+    else:
+        rows = [[name, format_bytes(p["peak_allocated"]), format_bytes(p["peak_reserved"]), f"{p['seconds']:.2f}"]
+                for name, p in result.get("phase_stats", {}).items()]
+        out.table(["phase", "peak allocated", "peak reserved", "seconds"], rows)
     if result.get("outside_bytes"):
         out.line(f"each peak includes {format_bytes(result['outside_bytes'])} outside PyTorch "
                  "(CUDA context, libraries, other processes on the card)")
@@ -186,6 +198,24 @@ def probe(
         out.line(result["error"])
     if result["status"] in ("error", "timeout"):
         raise typer.Exit(1)
+
+
+def _print_trainer_probe(out, result, meter: str) -> None:
+    """The trainer's peaks per phase beside the estimate of the same point."""
+    from fitfinder.probe import trainer
+    from fitfinder.units import format_bytes
+
+    rows = [[name, format_bytes(measured), format_bytes(estimated) if estimated else "-",
+             f"{measured / estimated - 1:+.0%}" if estimated else ""]
+            for name, measured, estimated in trainer.beside_estimate(result, meter)]
+    out.table(["phase", "trainer", "estimate", "trainer - estimate"], rows)
+    info = result["trainer_run"]
+    if info.get("phases_from") == "whole run":
+        out.line("the trainer's log marked no phase: one peak for the whole run")
+    if result.get("estimate", {}).get("error"):
+        out.line(f"no estimate of the same point: {result['estimate']['error']}")
+    out.line(f"trainer exit code {info.get('exit_code')}, {info.get('seconds', 0):.1f} s; wrote "
+             f"{', '.join(info.get('files') or []) or 'nothing'} in its folder (deleted)")
 
 
 @app.command()
@@ -347,15 +377,25 @@ def tiers(
 @app.command()
 @_friendly
 def calibrate(
-    gpu: str = typer.Option(..., "--gpu", help="Measure this CUDA device (index).", show_default=False),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="Measure this CUDA device (index).", show_default=False),
+    study: Optional[str] = typer.Option(None, "--study", help="Fit the estimate to the trainer probes of this study "
+                                                              "(a search with --trainer-command) instead."),
+    storage: Optional[str] = StorageOpt,
+    studies_dir: Path = StudiesDirOpt,
     json_output: bool = JsonOpt,
 ) -> None:
-    """Measure a card's overhead for estimates (CUDA context, cuBLAS workspace, fragmentation) and store it."""
+    """Measure a card's overhead for estimates (CUDA context, cuBLAS workspace, fragmentation) and store it;
+    with --study, fit it to a trainer's own probes instead (for later trainer searches on that card)."""
     from fitfinder.probe import overhead
     from fitfinder.results.output import Output
     from fitfinder.units import format_bytes
 
     out = Output(json_output)
+    if (gpu is None) == (study is None):
+        raise UserError("calibrate: give --gpu N (measure a card) or --study NAME (fit a study's trainer probes)")
+    if study is not None:
+        _calibrate_study(out, study, storage, studies_dir)
+        return
     if not re.fullmatch(r"\d+", gpu.strip()):
         raise UserError(f"--gpu: expected a device index such as 0, got {gpu!r}")
     if cuda_device_count() <= int(gpu):
@@ -366,6 +406,24 @@ def calibrate(
              f"{format_bytes(model.workspace_bytes)}, fragmentation {model.fragmentation:.1%}")
     out.line(f"stored in {path}; use it with `fitfinder estimate JOB --card \"{measured['gpu_name']}\"` "
              "(searches on this card use it for their pre-screen)")
+
+
+def _calibrate_study(out, name: str, storage: Optional[str], studies_dir: Path) -> None:
+    from fitfinder.search import calibration
+    from fitfinder.units import format_bytes
+
+    _check_name(name)
+    fit, path, pairs, card, dialect = calibration.calibrate(name, studies_dir, storage)
+    model = fit.overhead
+    out.result({"study": name, "card": card, "dialect": dialect, "overhead": model.as_dict(), "band": fit.band,
+                "pairs": len(pairs), "file": str(path)})
+    out.table(["trial", "phase", "trainer", "estimate", "fitted", "off"],
+              [[p.trial, p.phase, format_bytes(p.measured_bytes), format_bytes(p.estimated_bytes),
+                format_bytes(model.device_peaks(p.estimated_bytes)[1]),
+                f"{p.measured_bytes / model.device_peaks(p.estimated_bytes)[1] - 1:+.1%}"] for p in pairs])
+    out.line(f"{dialect} on {card}: context {format_bytes(model.context_bytes)}, fragmentation "
+             f"{model.fragmentation:.1%} over {len(pairs)} phases; the pairs lie within {fit.band:.1%} of it")
+    out.line(f"stored in {path}; estimate-guided searches with this trainer on this card start from that band")
 
 
 @app.command()
@@ -492,12 +550,15 @@ def _load(job_file: Path, vram: Optional[str] = None, names: Optional[dict] = No
     from fitfinder import jobconfig
     from fitfinder.units import parse_budget
 
+    from fitfinder.probe import trainer_command
+
     job = jobconfig.load(job_file)
     _check_options(options, names or {})
     overrides = {key: value for key, value in options.items() if key != "timeout"}
     overrides["probe_timeout"] = options.get("timeout")
     overrides["vram_bytes"] = parse_budget(vram, "--vram") if vram is not None else None
     job.settings = job.settings.with_options(**overrides)
+    trainer_command.check(job)  # a trainer command that cannot run: one line, before any probe
     return job
 
 
