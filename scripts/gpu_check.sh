@@ -255,7 +255,8 @@ def read(path):
         return {}
 trainer, builtin = read(sys.argv[1]), read(sys.argv[2])
 if not trainer:
-    sys.exit("(no trainer probe result: dry run, skipped or failed; see above)")
+    print("(no trainer probe result: dry run, skipped or failed; see above)")
+    raise SystemExit(0)
 estimate = (trainer.get("estimate") or {}).get("phase_stats") or {}
 print(f"{'phase':<13} {'AI Toolkit':>12} {'built-in':>12} {'estimate*':>12}")
 for phase in ("load", "text_encoder", "latents", "sample", "train", "last_sample"):

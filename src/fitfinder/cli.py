@@ -90,6 +90,7 @@ def search(
 ) -> None:
     """Search the best configuration that fits; export it as results/NAME/best.yaml."""
     from fitfinder import search as searching
+    from fitfinder.probe import trainer_command as trainer_check
     from fitfinder.results import report as reporting
     from fitfinder.results.output import Output
     from fitfinder.units import format_bytes
@@ -97,6 +98,7 @@ def search(
     out = Output(json_output, fancy=False if worker else None)
     job = _load(job_file, vram=vram, margin=margin, trials=trials, probe_steps=probe_steps, timeout=timeout,
                 trainer_command=trainer_command)
+    trainer_check.check(job)  # a trainer command that cannot run: one line, before any probe
     budget_given = job.settings.vram_bytes is not None
     meter, gpus = _meter(gpu, job, out)
     if workers < 1:
@@ -169,13 +171,14 @@ def probe(
     bytes), phase_stats, seconds_per_step, error.
     """
     from fitfinder import probe as probing
-    from fitfinder.probe import trainer
+    from fitfinder.probe import trainer, trainer_command as trainer_check
     from fitfinder.results.output import Output, usage_bar
     from fitfinder.units import format_bytes
 
     out = Output(json_output)
     job = _load(job_file, vram=vram, probe_steps=steps, timeout=timeout, names={"probe_steps": "--steps"},
                 trainer_command=trainer_command)
+    trainer_check.check(job)  # a trainer command that cannot run: one line, before any probe
     meter, gpus = _meter(gpu, job, out, need_budget=False)
     gpu_index = gpus[0]
     request = probing.request_for(job, job.settings.probe_steps, meter, job.settings.vram_bytes, gpu_index)
@@ -550,15 +553,12 @@ def _load(job_file: Path, vram: Optional[str] = None, names: Optional[dict] = No
     from fitfinder import jobconfig
     from fitfinder.units import parse_budget
 
-    from fitfinder.probe import trainer_command
-
     job = jobconfig.load(job_file)
     _check_options(options, names or {})
     overrides = {key: value for key, value in options.items() if key != "timeout"}
     overrides["probe_timeout"] = options.get("timeout")
     overrides["vram_bytes"] = parse_budget(vram, "--vram") if vram is not None else None
     job.settings = job.settings.with_options(**overrides)
-    trainer_command.check(job)  # a trainer command that cannot run: one line, before any probe
     return job
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from fitfinder import oom
+from fitfinder.errors import UserError
 from fitfinder.probe import dialects
 from fitfinder.probe.estimate import as_estimate
 from fitfinder.probe.overhead import GpuOverhead
@@ -41,6 +42,10 @@ from fitfinder.probe.protocol import ProbeRequest, ProbeResult
 HOOK_DIR = Path(__file__).resolve().with_name("_hook")
 SRC = Path(__file__).resolve().parents[2]  # src/, above fitfinder/: the meter is read from this fitfinder
 KILL_WAIT_S = 5.0  # how long a killed process group may take to be gone
+# multiprocessing binds its sockets under TMPDIR (pymp-XXXXXXXX/listener-XXXXXXXX), and a Unix socket's
+# path has 107 bytes at most: a data-loader worker sending a batch failed with "AF_UNIX path too long"
+# under a TMPDIR 80 characters deep, and hung. A folder deeper than this leaves the user's TMPDIR.
+MAX_TMPDIR_CHARS = 60
 
 
 def runner_for(settings, estimates):
@@ -100,7 +105,13 @@ class TrainerRunner:
 
     def _probe(self, request: ProbeRequest, folder: Path, log_path: Path | None) -> ProbeResult:
         dialect = dialects.DIALECTS[request["trainer_run"]["dialect"]]
-        job_path = dialect.write(request["trainer_job"], folder, request)
+        try:
+            job_path = dialect.write(request["trainer_job"], folder, request)
+        except (OSError, UserError) as exc:  # a full disk, a dataset that cannot be mirrored
+            failed = judge(None, Ran(None, False, 0, 0.0, f"the trainer's job could not be written: {exc}"), "",
+                           request)
+            failed["trainer_run"].update(command=request["trainer_run"]["command"], dialect=dialect.key)
+            return failed
         if log_path is not None:  # the job the trainer ran, kept beside its log
             shutil.copyfile(job_path, log_path.with_name(f"{log_path.stem}.job{job_path.suffix}"))
         command = [word.replace("{job}", str(job_path)) for word in request["trainer_run"]["command"]]
@@ -108,7 +119,7 @@ class TrainerRunner:
         meter_dir.mkdir()
         config = {"meter": request["meter"], "budget_bytes": request.get("budget_bytes"), "gpu": 0,
                   "dialect": dialect.key, "result": str(meter_dir / "result.json"),
-                  "claim": str(meter_dir / "claim"), "src": str(SRC)}
+                  "claim": str(meter_dir / "claim"), "src": str(SRC), "parent": os.getpid()}
         log = log_path or folder / "trainer.log"
         ran = run_command(command, folder, environment(config, request, folder), log, self.timeout_s)
         facts = _read_json(meter_dir / "result.json")
@@ -140,7 +151,8 @@ def environment(config: dict[str, Any], request: ProbeRequest, folder: Path) -> 
     env["FITFINDER_TRAINER_METER"] = json.dumps(config)
     env["PYTHONUNBUFFERED"] = "1"  # the log shows each line when it is printed, also after a kill
     (folder / "tmp").mkdir()
-    env["TMPDIR"] = str(folder / "tmp")  # temporary files and compile caches stay in the folder
+    if len(str(folder / "tmp")) <= MAX_TMPDIR_CHARS:  # temporary files and compile caches stay in the folder
+        env["TMPDIR"] = str(folder / "tmp")
     if request["meter"] == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = visible_device(request.get("gpu", 0), os.environ.get("CUDA_VISIBLE_DEVICES"))
     return env

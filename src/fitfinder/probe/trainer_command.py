@@ -57,10 +57,11 @@ def check(job) -> list[str] | None:
 def request_fields(job) -> dict[str, Any]:
     """What a probe request carries to run the job's trainer (none without a trainer command): the
     trainer (its dialect and command words, request.RUN_FIELDS: how the probe runs) and the point's
-    job as that dialect's plain document."""
-    words = check(job)
-    if words is None:
+    job as that dialect's plain document. The program is looked for only by `check`, where probes
+    run: an estimate of the job needs no trainer installed."""
+    if job.settings.trainer_command is None:
         return {}
+    words = split(job.settings.trainer_command)
     dialect = dialects.dialect_of(job)
     return {"trainer_run": {"dialect": dialect.key, "command": words}, "trainer_job": dialect.document(job)}
 

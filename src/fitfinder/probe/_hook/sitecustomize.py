@@ -39,6 +39,20 @@ def _metered_here() -> bool:
     return owner is None or owner == str(os.getpid())
 
 
+def _die_with_fitfinder(config) -> None:
+    """A trainer started by fitfinder itself dies when fitfinder does (Linux: PR_SET_PDEATHSIG), as a
+    built-in probe does: a search killed mid-probe leaves no trainer holding the card."""
+    if os.getppid() != config.get("parent"):
+        return
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _claim(config) -> bool:
     """This process is the trainer's main one: no metered process started it, and none beside it."""
     if not _metered_here():
@@ -114,6 +128,8 @@ def _chain() -> None:
 
 
 _settings = _config()
+if _settings is not None:
+    _die_with_fitfinder(_settings)
 if _settings is not None and _metered_here():
     if "torch" in sys.modules:
         _start_meter(_settings)
