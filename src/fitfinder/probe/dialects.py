@@ -6,18 +6,18 @@ A trainer probe (probe/trainer.py) runs the user's trainer on a point. It needs,
 - `document(job)`: the point's job as plain data (JSON), built in the parent with the request;
 - `write(document, folder, request)`: that document as the trainer's own job file(s) in `folder`,
   a private folder the probe deletes after, for the probe `request` (protocol.ProbeRequest): its
-  `steps` training steps, previews of at most its `sample.steps` denoising steps, saving and checkpoints off (or
-  only the trainer's unavoidable final save), every output and cache inside `folder`, previews
-  where the point has them, at the first step and at the last only (so the two sample phases are
-  measured and nothing samples in between), the dataset and the model as the job gives them.
-  It returns the file the command's `{job}` names;
+  `steps` training steps, saving and checkpoints off (or only the trainer's unavoidable final
+  save), every output and cache inside `folder`, previews where the point has them, at the first
+  step and at the last only (so the two sample phases are measured and nothing samples in
+  between) and of at most its `sample.steps` denoising steps, the dataset and the model as the
+  job gives them. It returns the file the command's `{job}` names;
 - `scripts`: its entry points' file names, so a command that names another trainer's script is
   refused before any probe;
 - `log_follower()`: its log-line phase rules, a callable taking each line the trainer prints (a
   tqdm redraw after `\r` included) and returning a `LogMark`: the probe phase (protocol.Phase) the
   run is in after it, or None before any line marks one, and the training steps its progress bar
   says are done. The meter inside the trainer's process (probe/trainer_meter.py) marks its phases
-  and times its steps with it; the parent reads the log with it too.
+  and times its steps with it (the parent reads the log's OOMs and errors with oom.scan_log).
 
 The registry `DIALECTS` is keyed by `key`, the name a probe request carries (`trainer_run.dialect`).
 kohya sd-scripts and musubi-tuner plug in as two more entries. Nothing here imports torch: the
@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
 from fitfinder import oom
-
 
 UNMARKED = "start"  # the meter's name for the run before its log marks a phase (the whole run if none does)
 
