@@ -27,6 +27,12 @@
 # 5. One table: per point and phase the cuda meter's peak, the estimate and the relative error;
 #    per point whether it fit, by the probe and by the estimate, and how long each took; the
 #    GPU-marked tests' pass/fail line.
+# 6. With AITK_PATH=/path/to/ai-toolkit (a checkout, its Python AITK_PYTHON, default PYTHON): the
+#    first point through AI Toolkit itself (`fitfinder probe --trainer-command "AITK_PYTHON
+#    AITK_PATH/run.py {job}"`, docs/trainer-probe.md), beside the built-in probe of the same point,
+#    both on AITK_MODEL (a local FLUX.1-dev folder or one in the Hugging Face cache, default
+#    black-forest-labs/FLUX.1-dev; AI Toolkit loads real weights), and the estimate: one table.
+#    BUDGET_S grows by 600 s for it. Skipped without AITK_PATH.
 #
 # Each step's timeout is cut to what is left of BUDGET_S (450 s, 1800 with --full), so the check
 # ends in time with what it has; a step with too little time left says that it was skipped.
@@ -55,8 +61,9 @@ if [ -n "$wheels" ] && ! compgen -G "$wheels/*.whl" >/dev/null; then
 fi
 PY="${PYTHON:-python3}"
 GPU="${GPU:-0}"
-if [ "$full" -eq 1 ]; then STEPS="${STEPS:-20}"; BUDGET_S="${BUDGET_S:-1800}"; PROBE_S=400
-else STEPS="${STEPS:-6}"; BUDGET_S="${BUDGET_S:-450}"; PROBE_S=150; fi
+trainer_s=0; [ -z "${AITK_PATH:-}" ] || trainer_s=600
+if [ "$full" -eq 1 ]; then STEPS="${STEPS:-20}"; BUDGET_S="${BUDGET_S:-$((1800 + trainer_s))}"; PROBE_S=400
+else STEPS="${STEPS:-6}"; BUDGET_S="${BUDGET_S:-$((450 + trainer_s))}"; PROBE_S=150; fi
 started=$(date +%s)
 deadline=$((started + BUDGET_S))
 scratch="$(mktemp -d)"
@@ -210,4 +217,58 @@ for log in "$jobs"/*.estimate.log; do  # an estimate that failed says why
 done
 echo "== FLUX.1-dev, random weights: the cuda meter against the estimate"
 "$PY" scripts/gpu_check_table.py "$jobs" "$tests_line"
+
+# -- 6. AI Toolkit itself on the first point, beside the built-in probe -----------------------------
+if [ -n "${AITK_PATH:-}" ]; then
+  AITK_PY="${AITK_PYTHON:-$PY}"
+  model="${AITK_MODEL:-black-forest-labs/FLUX.1-dev}"
+  IFS='|' read -r name label _ _ _ vram <<<"${points[0]}"
+  "$PY" - "$jobs/$name.yaml" "$jobs/aitk.yaml" "$model" "$scratch/images" <<'PY'
+import sys
+from pathlib import Path
+from PIL import Image
+from fitfinder import jobconfig
+source, target, model, images = sys.argv[1:]
+Path(images).mkdir(parents=True, exist_ok=True)
+for i in range(4):  # a dataset AI Toolkit can read: four noise images and their captions
+    Image.effect_noise((768, 768), 40 + 10 * i).convert("RGB").save(f"{images}/{i}.png")
+    Path(f"{images}/{i}.txt").write_text(f"a photo of noise number {i}")
+job = jobconfig.load(source)
+job.set("model.name_or_path", model)
+job.set("datasets[0].folder_path", images)
+Path(target).write_text(job.dumps(["scripts/gpu_check.sh: the first point, on real weights, for AI Toolkit"]))
+PY
+  trainer_command="$(printf '%q %q {job}' "$AITK_PY" "$AITK_PATH/run.py")"  # split as shell words, never run by one
+  echo "== 6. $label through AI Toolkit ($AITK_PATH, $model): fitfinder probe --trainer-command \"$trainer_command\""
+  on_gpu "$(within 420)" "$PY" -m fitfinder probe "$jobs/aitk.yaml" --gpu "$GPU" --vram "$vram" --steps "$STEPS" \
+    --trainer-command "$trainer_command" --timeout 400 --json > "$jobs/aitk.trainer.json" || true
+  echo "== 6. the same point, the built-in probe on the same weights"
+  on_gpu "$(within 150)" "$PY" -m fitfinder probe "$jobs/aitk.yaml" --gpu "$GPU" --vram "$vram" --steps "$STEPS" \
+    --timeout 130 --json > "$jobs/aitk.builtin.json" || true
+  "$PY" - "$jobs/aitk.trainer.json" "$jobs/aitk.builtin.json" <<'PY'
+import json, sys
+from fitfinder.units import format_bytes
+def read(path):
+    try:
+        return json.load(open(path))
+    except (OSError, ValueError):
+        return {}
+trainer, builtin = read(sys.argv[1]), read(sys.argv[2])
+if not trainer:
+    print("(no trainer probe result: dry run, skipped or failed; see above)")
+    raise SystemExit(0)
+estimate = (trainer.get("estimate") or {}).get("phase_stats") or {}
+print(f"{'phase':<13} {'AI Toolkit':>12} {'built-in':>12} {'estimate*':>12}")
+for phase in ("load", "text_encoder", "latents", "sample", "train", "last_sample"):
+    cells = [trainer.get("phases", {}).get(phase), builtin.get("phases", {}).get(phase),
+             estimate.get(phase, {}).get("peak_allocated")]
+    if any(cells):
+        print(f"{phase:<13} " + " ".join(f"{format_bytes(c) if c else '-':>12}" for c in cells))
+for name, result in (("AI Toolkit", trainer), ("built-in", builtin)):
+    print(f"{name}: {result.get('status')}{' in ' + result['phase'] if result.get('phase') else ''}, "
+          f"peak {format_bytes(result.get('peak_bytes'))}; {(result.get('error') or '')[:300]}")
+print("* the estimate's allocator blocks, no overhead model; the trainer's phases are those its log marked"
+      f" ({(trainer.get('trainer') or {}).get('phases_from')})")
+PY
+fi
 echo "== done in $(( $(date +%s) - started )) s; output in $LOG"

@@ -40,6 +40,10 @@ ScriptOpt = typer.Option(None, "--script", help="The kohya script a --config_fil
                                                 "say (flux_train_network.py, qwen_image_train_network.py).")
 ArchOpt = typer.Option(None, "--arch", help="A kohya job's model as this shipped architecture (e.g. flux-tiny, "
                                             "random weights) instead of its checkpoint's.")
+TrainerOpt = typer.Option(None, "--trainer-command",
+                          help="Probe with your trainer: its command line, {job} where it takes the job file, e.g. "
+                               "\"python /opt/ai-toolkit/run.py {job}\" (docs/trainer-probe.md; overrides "
+                               "`fitfinder: trainer_command`).")
 # An estimate that runs longer than this says on stderr which phase it is in (a FLUX.1-dev estimate
 # takes 10-40 s on a busy 2-core machine, and printed nothing until it ended).
 PROGRESS_AFTER_S = 3.0
@@ -109,6 +113,7 @@ def search(
              "settings' timings and the winner's proof [on with --gpu, off with the sim meter]."),
     script: Optional[str] = ScriptOpt,
     arch: Optional[str] = ArchOpt,
+    trainer_command: Optional[str] = TrainerOpt,
     json_output: bool = JsonOpt,
 ) -> None:
     """Search the best configuration that fits; export it as results/NAME/best.yaml.
@@ -121,14 +126,16 @@ def search(
     nothing does, 2 for bad input, 3 for a card that is not clean.
     """
     from fitfinder import search as searching
+    from fitfinder.probe import trainer_command as trainer_check
     from fitfinder.results import report as reporting
     from fitfinder.results.output import Output
     from fitfinder.units import format_bytes
 
     out = Output(json_output, fancy=False if worker else None)
     job = _load(job_file, vram=vram, margin=margin, trials=trials, probe_steps=probe_steps, timeout=timeout,
-                script=script, arch=arch)
+                script=script, arch=arch, trainer_command=trainer_command)
     _notes(out, job)
+    trainer_check.check(job)  # a trainer command that cannot run: one line, before any probe
     budget_given = job.settings.vram_bytes is not None
     meter, gpus = _meter(gpu, job, out)
     if meter == "sim" and not force and not worker:
@@ -199,6 +206,7 @@ def probe(
     timeout: Optional[float] = typer.Option(None, "--timeout", help="Seconds before the probe is killed [600]."),
     script: Optional[str] = ScriptOpt,
     arch: Optional[str] = ArchOpt,
+    trainer_command: Optional[str] = TrainerOpt,
     json_output: bool = JsonOpt,
 ) -> None:
     """Run one probe of the job file as written and print the peak of each phase.
@@ -211,20 +219,22 @@ def probe(
     it ran out, if it did), phases (name -> peak bytes), phase_stats, seconds_per_step, error.
     """
     from fitfinder import probe as probing
+    from fitfinder.probe import trainer, trainer_command as trainer_check
     from fitfinder.results.output import Output, usage_bar
     from fitfinder.units import format_bytes
     from fitfinder.verdict import NO_FIT, Verdict
 
     out = Output(json_output)
     job = _load(job_file, vram=vram, margin=margin, probe_steps=steps, timeout=timeout,
-                names={"probe_steps": "--steps"}, script=script, arch=arch)
+                names={"probe_steps": "--steps"}, script=script, arch=arch, trainer_command=trainer_command)
     _notes(out, job)
+    trainer_check.check(job)  # a trainer command that cannot run: one line, before any probe
     meter, gpus = _meter(gpu, job, out, need_budget=False)
     if meter == "sim":
         _refuse_full_size_on_the_cpu(job, force_option=False)
     gpu_index = gpus[0]
     request = probing.request_for(job, job.settings.probe_steps, meter, job.settings.vram_bytes, gpu_index)
-    result = probing.ProbeRunner(job.settings.probe_timeout).run(request)
+    result = trainer.one_probe_runner(job.settings).run(request)
     budget = job.settings.vram_bytes
     verdict = Verdict.of(result.get("peak_bytes"), budget, job.settings.margin)
     if result["status"] == "oom":
@@ -235,9 +245,12 @@ def probe(
     out.result({**result, **verdict.as_json()})
     out.line(f"{result.get('meter') or meter}: {result['status']}"
              + (f" in phase {result['phase']}" if result.get("phase") else ""))
-    rows = [[name, format_bytes(p["peak_allocated"]), format_bytes(p["peak_reserved"]), f"{p['seconds']:.2f}"]
-            for name, p in result.get("phase_stats", {}).items()]
-    out.table(["phase", "peak allocated", "peak reserved", "seconds"], rows)
+    if "trainer_run" in result:
+        _print_trainer_probe(out, result, meter)
+    else:
+        rows = [[name, format_bytes(p["peak_allocated"]), format_bytes(p["peak_reserved"]), f"{p['seconds']:.2f}"]
+                for name, p in result.get("phase_stats", {}).items()]
+        out.table(["phase", "peak allocated", "peak reserved", "seconds"], rows)
     if result.get("outside_bytes"):
         out.line(f"each peak includes {format_bytes(result['outside_bytes'])} outside PyTorch "
                  "(CUDA context, libraries, other processes on the card)")
@@ -249,6 +262,24 @@ def probe(
         out.line(verdict.headline())
     if result["status"] in ("error", "timeout") or verdict.exit_code:
         raise typer.Exit(1)
+
+
+def _print_trainer_probe(out, result, meter: str) -> None:
+    """The trainer's peaks per phase beside the estimate of the same point."""
+    from fitfinder.probe import trainer
+    from fitfinder.units import format_bytes
+
+    rows = [[name, format_bytes(measured), format_bytes(estimated) if estimated else "-",
+             f"{measured / estimated - 1:+.0%}" if estimated else ""]
+            for name, measured, estimated in trainer.beside_estimate(result, meter)]
+    out.table(["phase", "trainer", "estimate", "trainer - estimate"], rows)
+    info = result["trainer_run"]
+    if info.get("phases_from") == "whole run":
+        out.line("the trainer's log marked no phase: one peak for the whole run")
+    if result.get("estimate", {}).get("error"):
+        out.line(f"no estimate of the same point: {result['estimate']['error']}")
+    out.line(f"trainer exit code {info.get('exit_code')}, {info.get('seconds', 0):.1f} s; wrote "
+             f"{', '.join(info.get('files') or []) or 'nothing'} in its folder (deleted)")
 
 
 @app.command()
@@ -451,15 +482,25 @@ def tiers(
 @app.command()
 @_friendly
 def calibrate(
-    gpu: str = typer.Option(..., "--gpu", help="Measure this CUDA device (index).", show_default=False),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="Measure this CUDA device (index).", show_default=False),
+    study: Optional[str] = typer.Option(None, "--study", help="Fit the estimate to the trainer probes of this study "
+                                                              "(a search with --trainer-command) instead."),
+    storage: Optional[str] = StorageOpt,
+    studies_dir: Path = StudiesDirOpt,
     json_output: bool = JsonOpt,
 ) -> None:
-    """Measure a card's overhead for estimates (CUDA context, cuBLAS workspace, fragmentation) and store it."""
+    """Measure a card's overhead for estimates (CUDA context, cuBLAS workspace, fragmentation) and store it;
+    with --study, fit it to a trainer's own probes instead (for later trainer searches on that card)."""
     from fitfinder.probe import overhead
     from fitfinder.results.output import Output
     from fitfinder.units import format_bytes
 
     out = Output(json_output)
+    if (gpu is None) == (study is None):
+        raise UserError("calibrate: give --gpu N (measure a card) or --study NAME (fit a study's trainer probes)")
+    if study is not None:
+        _calibrate_study(out, study, storage, studies_dir)
+        return
     if not re.fullmatch(r"\d+", gpu.strip()):
         raise UserError(f"--gpu: expected a device index such as 0, got {gpu!r}")
     if cuda_device_count() <= int(gpu):
@@ -470,6 +511,24 @@ def calibrate(
              f"{format_bytes(model.workspace_bytes)}, fragmentation {model.fragmentation:.1%}")
     out.line(f"stored in {path}; use it with `fitfinder estimate JOB --card \"{measured['gpu_name']}\"` "
              "(searches on this card use it for their pre-screen)")
+
+
+def _calibrate_study(out, name: str, storage: Optional[str], studies_dir: Path) -> None:
+    from fitfinder.search import calibration
+    from fitfinder.units import format_bytes
+
+    _check_name(name)
+    fit, path, pairs, card, dialect = calibration.calibrate(name, studies_dir, storage)
+    model = fit.overhead
+    out.result({"study": name, "card": card, "dialect": dialect, "overhead": model.as_dict(), "band": fit.band,
+                "pairs": len(pairs), "file": str(path)})
+    out.table(["trial", "phase", "trainer", "estimate", "fitted", "off"],
+              [[p.trial, p.phase, format_bytes(p.measured_bytes), format_bytes(p.estimated_bytes),
+                format_bytes(model.device_peaks(p.estimated_bytes)[1]),
+                f"{p.measured_bytes / model.device_peaks(p.estimated_bytes)[1] - 1:+.1%}"] for p in pairs])
+    out.line(f"{dialect} on {card}: context {format_bytes(model.context_bytes)}, fragmentation "
+             f"{model.fragmentation:.1%} over {len(pairs)} phases; the pairs lie within {fit.band:.1%} of it")
+    out.line(f"stored in {path}; estimate-guided searches with this trainer on this card start from that band")
 
 
 @app.command()

@@ -120,6 +120,7 @@ class Settings:
     weights: str = "pretrained"
     candidates: dict[str, list] = field(default_factory=dict)
     priorities: list[str] = field(default_factory=list)
+    trainer_command: str | None = None  # the user's trainer runs the probes (probe/trainer.py)
 
     def with_options(self, **options: Any) -> "Settings":
         """Command-line options win over the file; None means 'not given'."""
@@ -594,6 +595,7 @@ def _read_settings(section: Any) -> tuple[Settings, list[str]]:
         "weights": ("weights", _weights),
         "candidates": ("candidates", _candidates),
         "priorities": ("priorities", _priorities),
+        "trainer_command": ("trainer_command", _trainer_command),
     }
     for key, value in section.items():
         if key not in readers:
@@ -616,6 +618,14 @@ def _in_range(value: Any, low: float, high: float, what: str, kind: type) -> Any
     if kind is int and value != int(value):
         raise UserError(expected)
     return kind(value)
+
+
+def _trainer_command(value: Any) -> str:
+    """The words are checked where the command is used (probe.trainer_command), with --trainer-command's."""
+    if not isinstance(value, str) or not value.strip():
+        raise UserError("fitfinder.trainer_command: expected the trainer's command line with {job}, "
+                        f"got {brief(value)}")
+    return value
 
 
 def _weights(value: Any) -> str:

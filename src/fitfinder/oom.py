@@ -191,6 +191,8 @@ LINE_PHASES: tuple[tuple[str, str, str], ...] = (
     ("move text encoders to gpu", "text_encoder", "kohya sd-scripts flux_train_network"),
     ("caching text encoder outputs", "text_encoder", "kohya sd-scripts"),
     ("caching text embeddings", "text_encoder", "AI Toolkit with train.cache_text_embeddings"),
+    ("caching text_embeddings", "text_encoder",
+     "AI Toolkit's 'Caching text_embeddings for DATASET' (toolkit/dataloader_mixins.py, commit 27a03a91)"),
     ("caching latents", "latents", "AI Toolkit and kohya sd-scripts ('Caching latents', 'caching latents.')"),
     ("generating baseline samples before training", "sample", "AI Toolkit, the first sample"),
     ("generating images", "sample", "AI Toolkit's sampling progress bar"),
@@ -478,6 +480,31 @@ def scan_log(text: str) -> LogScan:
     error_line, error = _last_error([(mark.number, text) for mark, text in walk.errors])
     return LogScan(events, walk.step_done, walk.total_steps, error, error_line, records[-1][0] if records else 0,
                    _failure(records, walk))
+
+
+@dataclass(frozen=True)
+class LogPosition:
+    """Where a training log is after a line: its phase ("unknown" before a line marks one), whether
+    training has started, and the steps its training bar says are done (None before a bar)."""
+
+    phase: str
+    training_started: bool
+    steps_done: int | None
+    total_steps: int | None
+
+
+def log_follower():
+    """A follower of a log read as it streams, by scan_log's rules: call it with each line as it
+    comes (tqdm's redraws within it included); it returns the LogPosition after that line."""
+    walk = _Walk()
+
+    def follow(line: str) -> LogPosition:
+        for part in line.split("\r"):
+            if part.strip():
+                _follow_phase(walk, part)
+        return LogPosition(walk.phase, walk.training_started, walk.step_done, walk.total_steps)
+
+    return follow
 
 
 def _records(text: str) -> list[tuple[int, str]]:

@@ -8,6 +8,9 @@
   the estimate's replays; overhead.py: what a card holds beyond the tensors (`fitfinder
   calibrate`); estimate.py: a probe on fake tensors (`fitfinder estimate`)
 - preflight.py: is the card clean; faults.py: the test hooks that break a probe on purpose
+- trainer.py: the trainer probe, the user's own trainer run on a point (--trainer-command, checked in
+  trainer_command.py, its job written by dialects.py), metered from inside its process by
+  trainer_meter.py, which the start-up hook _hook/sitecustomize.py starts there
 
 Nothing here knows about the search: the layers above (search/, results/) import this, never
 the other way.

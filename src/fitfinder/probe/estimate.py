@@ -42,7 +42,7 @@ from fitfinder.verdict import NO_FIT, TIGHT, Verdict, Wall, WouldTake, smallest_
 
 def as_estimate(request: ProbeRequest, overhead: GpuOverhead) -> ProbeRequest:
     """A probe request as the estimate runs it: the estimate meter, one primed step, one denoising step."""
-    estimate = {key: value for key, value in request.items() if key != "fault"}
+    estimate = {key: value for key, value in request.items() if key not in ("fault", "trainer_run", "trainer_job")}
     estimate.update(meter="estimate", steps=1, prime_optimizer=True, overhead=overhead.as_dict(),
                     sample={**request["sample"], "steps": 1})
     return estimate

@@ -32,6 +32,7 @@ from fitfinder.probe import preflight
 from fitfinder.units import format_bytes
 
 MiB = 2**20
+SIM_CARD = "cpu (sim meter)"  # the card a sim meter's probes are recorded on
 # CUDA context with lazily loaded modules plus cuBLAS/cuDNN handles after the first matmul and
 # attention call: about 0.4-0.6 GiB on Ampere/Ada/Hopper cards with CUDA 12.
 DEFAULT_CONTEXT_BYTES = 512 * MiB
@@ -205,3 +206,73 @@ def parse_measurement(stdout: str, stderr: str = "") -> dict[str, Any]:
     if not answer.get("ok"):
         raise RunFailed(f"calibration failed: {answer.get('error', 'no reason given')}")
     return answer
+
+
+# -- fitfinder calibrate --study NAME: the estimate fitted to a trainer's own probes ----------------
+@dataclass(frozen=True)
+class Pair:
+    """One phase of one trainer probe: what the trainer held, and the estimate of the same point."""
+
+    trial: int
+    phase: str
+    measured_bytes: int  # the trainer's peak (cuda: reserved plus outside PyTorch; sim: tensor bytes)
+    estimated_bytes: int  # the estimate's allocator blocks (cuda) or tensor bytes (sim), no overhead
+
+
+@dataclass(frozen=True)
+class TrainerFit:
+    """The overhead model that turns the estimate into what a trainer held, and how far the pairs
+    still lie from it: the estimate-guided search's error band for that trainer on that card."""
+
+    overhead: GpuOverhead
+    band: float  # the largest relative distance of a pair from the fitted model
+    pairs: int
+
+
+def fit_pairs(pairs: list[Pair], source: str, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES) -> TrainerFit:
+    """Least squares of measured = context + (1 + fragmentation) x (estimated + workspace), the
+    overhead model's own form (GpuOverhead.device_peaks), over every pair.
+
+    Fragmentation is the slope less one (kept within 0-50%, as a card's calibration keeps it), the
+    context what remains of the intercept once the workspace (not told apart from it by the pairs)
+    is taken off (never below zero). One size alone gives no slope: then the default fragmentation
+    stands and the context is the mean rest. The band: the largest |measured / predicted - 1|.
+    """
+    if not pairs:
+        raise UserError("no pairs to fit: the study has no trainer probe that ran a phase with its estimate")
+    xs = [p.estimated_bytes for p in pairs]
+    ys = [p.measured_bytes for p in pairs]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread > 0 else \
+        1 + DEFAULT_FRAGMENTATION
+    fragmentation = round(min(max(slope - 1, 0.0), 0.5), 4)
+    factor = 1 + fragmentation
+    context = max(0, round(sum(y - factor * (x + workspace_bytes) for x, y in zip(xs, ys)) / len(xs)))
+    model = GpuOverhead(context_bytes=int(context), workspace_bytes=workspace_bytes, fragmentation=fragmentation,
+                        source=source)
+    band = max(abs(y / model.device_peaks(x)[1] - 1) for x, y in zip(xs, ys))
+    return TrainerFit(model, round(min(band, 0.9), 4), len(pairs))
+
+
+def trainer_fit_path(card: str, dialect: str, folder: Path | None = None) -> Path:
+    return (folder or calibration_dir()) / "trainers" / f"{card_key(card)}--{dialect}.json"
+
+
+def save_trainer_fit(fit: TrainerFit, card: str, dialect: str, pairs: list[Pair], study: str,
+                     folder: Path | None = None) -> Path:
+    """Store a trainer's fit on a card, apart from the card's own calibration (`calibrate --gpu`
+    measures fitfinder's recipe on the card; this, a trainer's recipe against the estimate)."""
+    path = trainer_fit_path(card, dialect, folder)
+    write_atomic(path, json.dumps({"card": card, "dialect": dialect, "study": study, "overhead": fit.overhead.as_dict(),
+                                   "band": fit.band, "pairs": [asdict(p) for p in pairs]}, indent=2) + "\n")
+    return path
+
+
+def trainer_fit(card: str, dialect: str, folder: Path | None = None) -> TrainerFit | None:
+    """The stored fit of a trainer on a card, or None (none made yet, or a file that cannot be read)."""
+    try:
+        data = json.loads(trainer_fit_path(card, dialect, folder).read_text())
+        return TrainerFit(GpuOverhead.from_dict(data["overhead"]), float(data["band"]), len(data.get("pairs", [])))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

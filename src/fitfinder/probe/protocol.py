@@ -94,6 +94,8 @@ class ProbeRequest(TypedDict):
     overhead: NotRequired[dict[str, Any]]  # the estimate meter's GPU overhead model (probe.overhead)
     fault: NotRequired[str]  # a test hook's injected failure (probe.faults)
     trainer: NotRequired[TrainerRecipe]  # a kohya job's: its trainer's recipe (fitfinder.trainers)
+    trainer_run: NotRequired[dict[str, Any]]  # the user's trainer runs it: dialect, command words (probe.trainer)
+    trainer_job: NotRequired[dict[str, Any]]  # the point's job as that trainer's dialect writes it (probe.dialects)
 
 
 class PhaseStats(TypedDict, total=False):
@@ -127,3 +129,5 @@ class ProbeResult(TypedDict, total=False):
     cpu_seconds: float
     wall_seconds: float  # the runner's clock, start to result
     estimated: bool  # the search's pre-screen decided it on an estimate (search.estimated.Prescreen)
+    trainer_run: dict[str, Any]  # a trainer probe: its command, exit code, where its phases came from (probe.trainer)
+    estimate: dict[str, Any]  # a trainer probe: the estimate of the same point, phase by phase (probe.trainer)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fitfinder import jobconfig, models
+from fitfinder.probe import trainer_command
 from fitfinder.probe.protocol import ProbeRequest, SampleSettings
 
 # Denoising steps of a preview in a probe: each step costs the same memory, so two show the
@@ -67,12 +68,16 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
         "gpu": gpu,
         "seed": 0,
         **({"fault": fault} if fault else {}),
+        **trainer_command.request_fields(job),  # the user's trainer runs it, when the job names one
     }
 
 
 # How a probe is run, not what it trains: the same job on another card, meter or machine puts the
-# same tensors in each phase (a study compares everything else, search.study.job_signature).
-RUN_FIELDS = ("steps", "meter", "budget_bytes", "gpu", "seed", "fault", "overhead", "prime_optimizer")
+# same tensors in each phase (a study compares everything else, search.study.job_signature). The
+# user's trainer that runs it (probe/trainer.py) is recorded beside, as the study's `trainer_command`;
+# the point's job it carries says again what the request says.
+RUN_FIELDS = ("steps", "meter", "budget_bytes", "gpu", "seed", "fault", "overhead", "prime_optimizer",
+              "trainer_run", "trainer_job")
 
 
 @functools.cache

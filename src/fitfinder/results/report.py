@@ -21,6 +21,7 @@ from typing import Any
 from fitfinder import jobconfig, space as spaces
 from fitfinder.errors import UserError
 from fitfinder.jobconfig import JobFile, write_atomic
+from fitfinder.probe import trainer
 from fitfinder.results import _plots
 from fitfinder.search import planner, study as studies, tiers
 from fitfinder.search.loop import SearchSummary
@@ -227,6 +228,9 @@ def write_report(study, space: Space, known, out_dir: Path, summary: dict[str, A
     sections.append(_figure_section("Timeline of the probes", "Each probe from its start to its end.",
                                     _plots.timeline(space, probes), "timeline"))
     sections.append(_trials_section(space, probes, budget))
+    trainer_rows = _trainer_rows(study, space, str(attrs.get("meter", "")))
+    if trainer_rows:
+        sections.append(_trainer_section(trainer_rows, attrs.get("trainer_command")))
     report_path = out_dir / "report.html"
     write_atomic(report_path, _page(study.study_name, sections, _plots.plotly_js()))
     return {"report": report_path, "summary": summary_path}
@@ -364,6 +368,36 @@ def _trials_section(space: Space, probes: list, budget: int | None) -> str:
     return ("<section><h2>All trials</h2><table class='grid'><tr><th>trial</th>" + head
             + "<th>outcome</th><th>peak</th><th>s/step</th><th>error</th></tr>" + "".join(rows)
             + "</table><p class='note'>Also in trials.csv and summary.json beside this file.</p></section>")
+
+
+def _trainer_rows(study, space: Space, meter: str) -> list[list[str]]:
+    """Each trainer probe's phases: what the trainer held beside the estimate of the same point."""
+    rows = []
+    for trial in study.get_trials(deepcopy=False):
+        attrs = trial.user_attrs
+        if not attrs.get("trainer_run"):
+            continue
+        point = params_of(trial)
+        where = space.describe(point) if space.contains(point) else ""
+        outcome = attrs.get("status", "") + (f" in {attrs['phase']}" if attrs.get("phase") else "")
+        for phase, measured, estimated in trainer.beside_estimate(attrs, meter):
+            rows.append([str(trial.number), where, outcome, phase, format_bytes(measured),
+                         format_bytes(estimated) if estimated else "-",
+                         f"{measured / estimated - 1:+.0%}" if estimated else ""])
+            where = outcome = ""
+    return rows
+
+
+def _trainer_section(rows: list[list[str]], command: Any) -> str:
+    body = "".join("<tr>" + "".join(f"<td>{_e(cell)}</td>" for cell in row) + "</tr>" for row in rows)
+    return ("<section id='trainer'><h2>The trainer against the estimate</h2>"
+            f"<p class='note'>Probed with <code>{_e(command or 'a trainer command')}</code>: each phase its log "
+            "marked, "
+            "the peak the meter inside the trainer saw beside fitfinder's estimate of the same point "
+            "(tensor bytes on the sim meter, allocator blocks without overhead on a card). "
+            "<code>fitfinder calibrate --study NAME</code> fits the estimate to these pairs.</p>"
+            "<table class='grid'><tr><th>trial</th><th>point</th><th>outcome</th><th>phase</th><th>trainer</th>"
+            "<th>estimate</th><th>trainer - estimate</th></tr>" + body + "</table></section>")
 
 
 _CSS = """

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fitfinder import probe
-from fitfinder.probe import overhead as overheads
+from fitfinder.probe import dialects, overhead as overheads
 from fitfinder.probe.estimate import Estimate, Estimator, as_estimate
 from fitfinder.probe.overhead import GpuOverhead
 from fitfinder.probe.protocol import ProbeRequest, ProbeResult, Purpose
@@ -82,13 +82,26 @@ def guide_for(enabled: bool | None, job, meter: str, gpu: int = 0, runner=None):
     and the search's end share what was estimated; they run from `runner` (a probe server)."""
     if not (meter == "cuda" if enabled is None else enabled):
         return None
-    key = (str(job.source), meter, gpu, job.settings.vram_bytes)
+    key = (str(job.source), meter, gpu, job.settings.vram_bytes, job.settings.trainer_command)
     if key not in _guides:
         runner = runner or probe.ProbeRunner(job.settings.probe_timeout)
         model = overheads.for_gpu(gpu) if meter == "cuda" else GpuOverhead.none()
+        band = GUIDE_BAND[meter]
+        fitted = _trainer_fit(job, meter, gpu)
+        if fitted is not None:  # probes through the user's trainer: the fit of its earlier probes here
+            model, band = fitted.overhead, max(fitted.band, GUIDE_BAND["sim"])
         estimator = Estimator(job, runner, model)
-        _guides[key] = planner.Guide(estimator.phases_or_none, GUIDE_BAND[meter])
+        _guides[key] = planner.Guide(estimator.phases_or_none, band)
     return _guides[key]
+
+
+def _trainer_fit(job, meter: str, gpu: int):
+    """`fitfinder calibrate --study`'s fit of the job's trainer on this card, or None (no trainer
+    command, or no fit stored yet)."""
+    if job.settings.trainer_command is None:
+        return None
+    card = overheads.gpu_name(gpu) if meter == "cuda" else overheads.SIM_CARD
+    return overheads.trainer_fit(card, dialects.dialect_of(job).key) if card else None
 
 
 def prescreen_for(enabled: bool | None, runner, budget_bytes: int | None, meter: str, gpu: int = 0) -> Prescreen | None:

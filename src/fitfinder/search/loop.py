@@ -129,7 +129,8 @@ def run(job, options: SearchOptions, out) -> SearchSummary | None:
     url = studies.storage_url(options.study_name, Path(options.studies_dir), options.storage)
     study = studies.open_study(url, options.study_name, space,
                                {"budget_bytes": budget, "margin": settings.margin, "meter": options.meter,
-                                "job_file": str(job.source), "budget_is_card": options.budget_is_card},
+                                "job_file": str(job.source), "budget_is_card": options.budget_is_card,
+                                "trainer_command": settings.trainer_command},
                                FitSampler(space, limit))
     if options.worker:
         with studies.writable(options.study_name, url):

@@ -608,6 +608,8 @@ def write_facts(trial, space: Space, result: Result, probe_result: ProbeResult, 
                             probe_result.get("budget_bytes")),
         "failed_phases": list(result.failed_phases),
         "estimated": bool(probe_result.get("estimated")),
+        **({"trainer_run": probe_result["trainer_run"], "estimate": probe_result.get("estimate")}
+           if "trainer_run" in probe_result else {}),  # a trainer probe, with the estimate of the same point
         "status": result.status,
     }
     for index, (key, value) in enumerate(attrs.items()):

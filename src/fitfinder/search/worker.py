@@ -21,7 +21,7 @@ from typing import Any
 
 from fitfinder import probe
 from fitfinder.errors import RunFailed, UserError
-from fitfinder.probe import faults, preflight
+from fitfinder.probe import faults, overhead as overheads, preflight, trainer
 from fitfinder.search import estimated, study as studies
 from fitfinder.search.planner import CONFIRM_FACTOR, Knowledge, Result, Step, result_from_probe
 from fitfinder.units import format_bytes
@@ -36,7 +36,7 @@ def work(job, space, study, options, limit: int | None, out) -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     card = _card(options)
     _refuse_a_different_card(study, card, options.study_name)
-    runner = probe.ProbeRunner(timeout_s=settings.probe_timeout)
+    runner = trainer.runner_for(settings, probe.ProbeRunner(timeout_s=settings.probe_timeout))
     bench = _Bench(runner, estimated.prescreen_for(options.prescreen, runner, settings.vram_bytes, options.meter,
                                                   options.gpu), faults.probe_faults(), log_dir, card,
                    estimated.guide_for(options.guided, job, options.meter, options.gpu, runner))
@@ -134,7 +134,7 @@ def _record_decided(study, space, decided: list[tuple[dict, Result]]) -> None:
 def _card(options) -> dict:
     """The card this worker measures on: its name and total memory (NVML, no CUDA context)."""
     if options.meter != "cuda":
-        return {"name": "cpu (sim meter)", "total_bytes": None}
+        return {"name": overheads.SIM_CARD, "total_bytes": None}
     reading = preflight.read_card(options.gpu)  # device 0 of the worker: its CUDA_VISIBLE_DEVICES card
     return {"name": reading.name, "total_bytes": reading.total_bytes}
 
@@ -199,6 +199,8 @@ def worker_command(job, options, url: str, index: int) -> list[str]:
         command += ["--prescreen" if options.prescreen else "--no-prescreen"]
     if options.guided is not None:
         command += ["--guided" if options.guided else "--no-guided"]
+    if settings.trainer_command is not None:
+        command += ["--trainer-command", settings.trainer_command]
     return command
 
 
@@ -217,7 +219,7 @@ def probe_objective(job, space, limit_bytes: int | None, meter: str = "sim", gpu
 
     import optuna
 
-    runner = runner or probe.ProbeRunner(job.settings.probe_timeout)
+    runner = runner or trainer.runner_for(job.settings, probe.ProbeRunner(job.settings.probe_timeout))
     settings = job.settings
 
     def objective(trial):
