@@ -84,7 +84,8 @@ def test_a_config_toml_job_infers_its_script_and_round_trips(tmp_path):
                       't5xxl = "t5xxl_fp16.safetensors"  # the text encoder\nae = "ae.safetensors"\n'
                       'clip_l = "clip_l.safetensors"\n\n[training]\nnetwork_module = "networks.lora_flux"\n'
                       'network_dim = 16\nnetwork_alpha = 16\noptimizer_type = "AdamW"\n'
-                      'dataset_config = "dataset.toml"\nfp8_base = true\nmy_unknown_key = "kept"\n')
+                      'dataset_config = "dataset.toml"\nmixed_precision = "bf16"\nfp8_base = true\n'
+                      'my_unknown_key = "kept"\n')
     job = trainers.load(config)
     assert (job.form, job.script.name, job.get("network_dim")) == ("toml", "flux_train_network.py", 16)
     found = space.build(job)
@@ -167,7 +168,7 @@ def test_a_flag_that_moves_memory_and_is_not_modelled_is_named(tmp_path):
     ("notes.txt", "hello world\n", "not a job file fitfinder reads"),
     ("job.toml", 'network_dim = 4\ndataset_config = "d.toml"\n', "give --script NAME"),
     ("data.toml", "[[datasets]]\nresolution = 512\n", "a dataset config"),
-    ("run.sh", "accelerate launch sdxl_train_network.py --network_dim 4\n", "does not follow yet"),
+    ("run.sh", "accelerate launch hunyuan_image_train_network.py --network_dim 4\n", "does not follow yet"),
     ("run.sh", "echo training\n", "no sd-scripts or musubi-tuner training command"),
     ("run.sh", "accelerate launch flux_train_network.py --network_dim 4 --dataset_config 'x\n", "never closed"),
 ])

@@ -120,9 +120,9 @@ def _caching_commands(commands, trainer, script, source: str) -> list[dict]:
     found = []
     for command in commands:
         for index, word in enumerate(command.words):
-            if Path(word.text).name in getattr(script, "cache_scripts", ()):
+            if Path(word.text).name in script.cache_scripts:
                 words = [w for w in command.words[index + 1:]]
-                flags = _kohya.parse_flags(words, trainer.CACHE_OPTIONS, source)
+                flags = _kohya.parse_flags(words, script.cache_scripts[Path(word.text).name], source)
                 dataset = flags.get("dataset_config")
                 found.append({"script": Path(word.text).name, "flags": {k: v for k, (_, _, v) in flags.items()},
                               "dataset_word": words[dataset[0] + 1] if dataset and dataset[1] > dataset[0] + 1

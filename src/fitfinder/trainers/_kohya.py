@@ -596,6 +596,11 @@ def architecture(job: KohyaJob, family: str, default_arch: str, checkpoint_key: 
     return {"family": family, "weights": "none", "arch_name": stem, "arch": arch, "path": None}
 
 
+def family(name: str):
+    """A model family's declaration (models/NAME.py FAMILY): its parts' names."""
+    return models.FAMILIES[name]
+
+
 def _note(job: KohyaJob, text: str) -> None:
     if text not in job.notes:
         job.notes.append(text)
@@ -678,18 +683,25 @@ def dataset_edits(job: KohyaJob, changes: dict[str, Any], from_args: dict[str, s
 
 # -- the probe's request ---------------------------------------------------------------------------
 def sample_settings(job: KohyaJob, prompts: list[dict] | None, width: int, height: int, steps: int,
-                    guidance_key: str, guidance: float, first: list[str], sample_steps: int) -> dict:
-    """The previews as the prompt file asks for them: the largest --w x --h, its --s (at most the
-    probe's `sample_steps`: every denoising step holds the same memory) and guidance."""
+                    guidance_key: str, guidance: float, first: list[str], sample_steps: int,
+                    frames_key: str | None = None) -> dict:
+    """The previews as the prompt file asks for them: the largest --w x --h (with musubi-tuner's video
+    models, x --f frames, rounded down to 4k+1 as sample_image_inference does; 1 by default), its --s
+    (at most the probe's `sample_steps`: every denoising step holds the same memory) and guidance."""
     enabled = bool(job.get("sample_prompts"))
     if enabled and prompts is None:
         _note(job, f"sample_prompts {brief(job.get('sample_prompts'))} is not a prompt file here: previews "
                          f"at the script's defaults ({width}x{height}, {steps} steps)")
-    sizes = [(int(p.get("w", width)), int(p.get("h", height))) for p in prompts or []] or [(width, height)]
-    big = max(sizes, key=lambda size: (size[0] * size[1], size))
-    chosen = next((p for p in prompts or [] if (int(p.get("w", width)), int(p.get("h", height))) == big), {})
+    def frames(p: dict) -> int:
+        return (int(p.get(frames_key, 1)) - 1) // 4 * 4 + 1 if frames_key else 1
+
+    sizes = [(int(p.get("w", width)), int(p.get("h", height)), frames(p)) for p in prompts or []] \
+        or [(width, height, 1)]
+    big = max(sizes, key=lambda size: (size[0] * size[1] * size[2], size))
+    chosen = next((p for p in prompts or [] if (int(p.get("w", width)), int(p.get("h", height)), frames(p)) == big),
+                  {})
     return {"first": enabled and "sample" in first, "last": enabled and "last_sample" in first,
-            "width": big[0], "height": big[1], "frames": 1,
+            "width": big[0], "height": big[1], "frames": big[2],
             "steps": min(sample_steps, int(chosen.get("s", steps))),
             "guidance_scale": float(chosen.get(guidance_key, guidance))}
 
@@ -719,7 +731,8 @@ def request(job: KohyaJob, spec: dict, trainer: dict, sample: dict, rank_ignore:
         "optimizer": optimizer_of(job, job.trainer.DEFAULT_OPTIMIZER),
         "optimizer_params": {}, "ema_decay": None,
         "lr": float(job.get("learning_rate") or 1e-4),
-        "trained": ["transformer"], "switch_every": 1,
+        # one LoRA, on the first denoiser (Wan 2.2's two experts share musubi-tuner's one network)
+        "trained": list(family(spec["family"]).denoisers[:1]), "switch_every": 1,
         "sample": sample, "preview_holds_gradients": False,
         "steps": int(steps), "meter": meter, "budget_bytes": budget_bytes, "gpu": gpu, "seed": 0,
         "trainer": trainer,
