@@ -59,8 +59,14 @@ def _text(path: Path) -> str:
 
 
 def _names_a_script(text: str) -> bool:
-    return any(word.endswith(("_train_network.py", "_train.py")) or ".train_network" in word
-               for word in text.split())
+    return any(_is_training_script(word) for word in text.split())
+
+
+def _is_training_script(word: str) -> bool:
+    """A kohya training script: NAME_train_network.py, sd-scripts' own train_network.py (SD 1.x),
+    NAME_train.py, or musubi-tuner's module form (`-m musubi_tuner.wan_train_network`)."""
+    return (word.endswith(("_train_network.py", "_train.py")) or Path(word).name == "train_network.py"
+            or ".train_network" in word or word.startswith("musubi_tuner.") and "train" in word)
 
 
 def script_of(name: str) -> tuple[Any, Any]:
@@ -85,9 +91,7 @@ def _followed() -> list[str]:
 def _training_command(commands: list[_shell.Command]) -> tuple[_shell.Command, int]:
     for command in commands:
         for index, word in enumerate(command.words):
-            text = word.text
-            if text.endswith("_train_network.py") or text.endswith("_train.py") or ".train_network" in text \
-                    or text.startswith("musubi_tuner.") and "train" in text:
+            if _is_training_script(word.text) and "cache" not in word.text:
                 return command, index
     raise UserError("no training command (a *_train_network.py script) in the shell file")
 

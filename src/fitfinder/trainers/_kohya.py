@@ -644,6 +644,20 @@ def dtype_of_precision(value: Any) -> str:
     return {"bf16": "bf16", "fp16": "fp16", "no": "fp32", "fp32": "fp32"}.get(str(value or "no").lower(), "fp32")
 
 
+def check_swap(job: KohyaJob, most: int | None) -> None:
+    """--blocks_to_swap within what the model's enable_block_swap asserts (`most`; None: the script has
+    no block swap, and its parser does not declare the option)."""
+    value = job.get("blocks_to_swap")
+    if not value:
+        return
+    if most is None:
+        raise UserError(f"{job.source}: --blocks_to_swap: {job.script.name} has no block swap (its parser does not "
+                        "declare the option)")
+    if int(value) > most:
+        raise UserError(f"{job.source}: --blocks_to_swap {value}: {job.script.name}'s model swaps at most {most} "
+                        "blocks (enable_block_swap asserts it)")
+
+
 def not_modelled(job: KohyaJob, flags: dict[str, str]) -> None:
     """Name each option that moves memory and that the recipe does not follow."""
     for flag, effect in flags.items():

@@ -282,6 +282,7 @@ def check(job: KohyaJob) -> None:
     if job.get("dit_high_noise") and family not in ("wan22", "wan22_i2v"):
         raise UserError(f"{job.source}: --dit_high_noise with --task {job.get('task')}: only Wan 2.2's A14B tasks have "
                         "a high-noise model")
+    _kohya.check_swap(job, max_blocks_to_swap(job, job.architecture_spec()["arch"]))
     if job.get("num_layers") not in (None, 60):
         job.notes.append(f"--num_layers {job.get('num_layers')} is not modelled: the architecture keeps its blocks")
     if str(job.get("task")) == "flf2v-14B" and job.script.name == "wan_train_network.py":

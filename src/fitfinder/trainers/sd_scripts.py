@@ -199,6 +199,7 @@ def check(job: KohyaJob) -> None:
     if job.get("blocks_to_swap") and job.get("cpu_offload_checkpointing"):
         raise UserError(f"{job.source}: blocks_to_swap with cpu_offload_checkpointing: {script.name} refuses the "
                         "two together (assert_extra_args)")
+    _kohya.check_swap(job, max_blocks_to_swap(job, job.architecture_spec()["arch"]) if script.swap else None)
     network_args = [str(arg) for arg in job.get("network_args") or []]
     if script.family in ("sdxl", "sd15") and any(arg.startswith("conv_dim") for arg in network_args):
         job.notes.append("--network_args conv_dim (LoRA on the 3x3 convolutions) is not modelled: the estimate may "
