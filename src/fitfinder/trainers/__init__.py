@@ -109,7 +109,8 @@ def _from_shell(path: Path, text: str, arch: str | None) -> KohyaJob:
                    command=command, script_index=index, arch=arch,
                    line_flags={name: (first + index + 1, end + index + 1, value)
                                for name, (first, end, value) in flags.items()},
-                   launcher=_kohya.launcher_options(list(command.words[:index])))
+                   launcher=_kohya.launcher_options(list(command.words[:index])),
+                   folder_vars=_kohya.folder_variables(text))
     job.caching = _caching_commands(commands, trainer, script, str(path))
     config = job.get("config_file")
     if config:

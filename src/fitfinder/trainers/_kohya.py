@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -80,6 +81,7 @@ class KohyaJob:
     changes: dict[str, Any] = field(default_factory=dict)
     settings: Settings = field(default_factory=Settings)
     arch: str | None = None  # --arch: a shipped architecture instead of the checkpoint's
+    folder_vars: frozenset = frozenset()  # shell variables the file sets to its own folder (`here=$(dirname $0)`)
     notes: list[str] = field(default_factory=list)  # what the output says about the job (not modelled, ...)
 
     # -- reading ---------------------------------------------------------------------------
@@ -264,9 +266,26 @@ def read_text(path: Path, what: str) -> str:
         raise UserError(f"{path}: not UTF-8 text; save the job's {what} as UTF-8") from None
 
 
+# A shell variable set to the script's own folder: `here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"`,
+# `DIR=$(dirname "$0")` and their like (what fitfinder's own kohya.sh writes).
+_FOLDER_VAR = re.compile(r"""^\s*(?:export\s+|local\s+)?([A-Za-z_]\w*)=["']?\$\((?:\s*cd\s+["']?\$\()?\s*dirname\s+"""
+                         r"""["']?\$\{?(?:BASH_SOURCE(?:\[0\])?|0)\}?["']?\s*\)""", re.MULTILINE)
+
+
+def folder_variables(text: str) -> frozenset:
+    """The variables a shell text sets to its own folder (so `"$here/kohya.toml"` is a path beside it)."""
+    return frozenset(match.group(1) for match in _FOLDER_VAR.finditer(text))
+
+
 def resolve(job: KohyaJob, value: Any) -> Path | None:
-    """A path the job names, read relative to the job file's folder (`~` expanded); None when unset
-    or when it holds a shell variable fitfinder does not expand."""
+    """A path the job names, read relative to the job file's folder (`~` expanded, `$here/` where the
+    shell file sets `here` to its own folder); None when unset or when it holds a shell variable
+    fitfinder does not expand."""
+    if value and isinstance(value, (str, Path)):
+        for name in job.folder_vars:
+            for prefix in (f"${name}/", f"${{{name}}}/"):
+                if str(value).startswith(prefix):
+                    value = str(job.folder / str(value)[len(prefix):])
     if not value or not isinstance(value, (str, Path)) or "$" in str(value):
         return None
     path = Path(str(value)).expanduser()
@@ -752,3 +771,96 @@ def request(job: KohyaJob, spec: dict, trainer: dict, sample: dict, rank_ignore:
         "trainer": trainer,
         **({"fault": fault} if fault else {}),
     }
+
+
+# -- a new job, written from settings (the kohya export) ---------------------------------------------
+@dataclass
+class NewJob:
+    """A kohya job fitfinder writes from settings rather than edits (`fitfinder export --format kohya`):
+    a --config_file TOML, its dataset TOML, a prompt file, and the shell file that runs the caching
+    scripts (musubi-tuner's) and the training script. The model's files come from environment
+    variables: the settings name a model, the trainers want its files."""
+
+    trainer: Any  # sd_scripts or musubi_tuner
+    script: Any  # its Script
+    own: dict[str, Any]  # the script's options that name the model (--task, --model_version, --model_type)
+    sections: dict[str, dict[str, Any]]  # the config TOML's tables, which the trainers flatten
+    datasets: dict[str, Any]  # the dataset TOML: general and datasets
+    prompts: list[str]  # the prompt file's lines (none: no file, no --sample_prompts)
+    header: list[str]  # comment lines at the head of the config TOML
+    comments: list[str]  # comment lines at the head of the shell file, after the shebang
+    precision: str  # accelerate launch --mixed_precision
+    text_fp8: bool = False  # the text caching script's fp8 switch (musubi-tuner: --fp8_t5, --fp8_vl, ...)
+
+    @property
+    def script_path(self) -> str:
+        """The training script as a shell file runs it: sd-scripts' at its checkout's root,
+        musubi-tuner's under src/musubi_tuner/."""
+        return f"src/musubi_tuner/{self.script.name}" if self.trainer.REPO == "musubi-tuner" else self.script.name
+
+    @property
+    def model_files(self) -> tuple[tuple[str, str, str], ...]:
+        return self.trainer.model_files(self.script, self.own)
+
+
+def new_job_texts(job: NewJob, stem: str = "kohya") -> dict[str, str]:
+    """File name -> text: `{stem}.toml`, `{stem}_dataset.toml`, `{stem}_prompts.txt` (with prompts) and
+    `{stem}.sh`. Every option is one the script's parser declares (an undeclared one would stop the
+    trainer: argparse refuses it); TOML is written by a TOML library, so a newline or quote in a
+    value stays inside its string."""
+    for section in job.sections.values():
+        for key in section:
+            if key not in job.script.options:
+                raise ValueError(f"{key}: not an option of {job.script.name} ({job.trainer.REPO})")
+    texts = {f"{stem}.toml": _toml_text(job.sections, job.header),
+             f"{stem}_dataset.toml": _toml_text(job.datasets, [f"Dataset config for {job.script.name}, written by "
+                                                               "fitfinder."])}
+    if job.prompts:
+        texts[f"{stem}_prompts.txt"] = "\n".join(job.prompts) + "\n"
+    texts[f"{stem}.sh"] = _new_shell_text(job, stem)
+    return texts
+
+
+def _toml_text(sections: dict[str, Any], header: list[str]) -> str:
+    import tomli_w
+
+    body = {name: content for name, content in sections.items() if content}  # no empty table
+    return "".join(f"# {one_line(line, 1000)}\n" for line in header) + "\n" + tomli_w.dumps(body)
+
+
+def _new_shell_text(job: NewJob, stem: str) -> str:
+    """The shell file. Every value in a command is quoted and every comment is one line (a newline
+    in a job's name would otherwise start a command of its own); the files beside it are named by
+    `$here`, the file's own folder, which fitfinder reads back as that folder."""
+    import shlex
+
+    q = shlex.quote
+    files = {option: f'"${env}"' for option, env, _ in job.model_files}
+    lines = ["#!/usr/bin/env bash", *(f"# {one_line(line, 1000)}" for line in job.comments),
+             "set -euo pipefail", 'here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"']
+    lines += [f': "${{{env}:?set {env} to {what}}}"' for _, env, what in job.model_files]
+    dataset = f'--dataset_config "$here/{stem}_dataset.toml"'
+    for script, options in _caching_scripts(job):  # musubi-tuner caches latents and text outputs first
+        words = [f"--{option} {value}" for option, value in files.items() if option in options]
+        if script.endswith("_cache_latents.py") and "i2v" in options and "i2v" in str(job.own.get("task")) \
+                and "clip" not in files:
+            words.append("--i2v")  # wan_cache_latents.py: encode the first frame (set by --clip where there is one)
+        if script.endswith("_cache_text_encoder_outputs.py") and job.text_fp8:
+            words.append(f"--{job.script.text_fp8}")
+        words += [f"--{key} {q(str(value))}" for key, value in job.own.items() if key in options]
+        lines.append(" ".join([f"python {q(script)} {dataset}", *words]))
+    launch = [f"accelerate launch --num_cpu_threads_per_process 1 --mixed_precision {q(job.precision)} "
+              f"{q(job.script_path)}", f'--config_file "$here/{stem}.toml"', dataset]
+    launch += [f"--{option} {value}" for option, value in files.items()]
+    if job.prompts:
+        launch.append(f'--sample_prompts "$here/{stem}_prompts.txt"')
+    lines.append(" \\\n  ".join(launch))
+    return "\n".join(lines) + "\n"
+
+
+def _caching_scripts(job: NewJob) -> list[tuple[str, dict[str, Option]]]:
+    """musubi-tuner's caching scripts, latents first (its docs' order), each with its parser's options."""
+    if not hasattr(job.script, "latent_cache"):
+        return []  # sd-scripts caches inside the training script
+    return [(f"src/musubi_tuner/{name}", options) for name, options in (job.script.latent_cache,
+                                                                          job.script.text_cache)]

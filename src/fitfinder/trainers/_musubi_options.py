@@ -251,3 +251,23 @@ FLUX_2_CACHE_TEXT: dict[str, Option] = {
     "text_encoder": Option(STR, None, "src/musubi_tuner/flux_2_cache_text_encoder_outputs.py:84"),
     "fp8_text_encoder": Option(BOOL, False, "src/musubi_tuner/flux_2_cache_text_encoder_outputs.py:85"),
 }
+
+# cache_latents.py hv_setup_parser: the VAE's chunking and tiling (Qwen-Image's and FLUX.1 Kontext's latents
+# caching scripts add it)
+HV_CACHE_LATENTS: dict[str, Option] = {
+    "vae_tiling": Option(BOOL, False, "src/musubi_tuner/cache_latents.py:409"),
+    "vae_chunk_size": Option(INT, None, "src/musubi_tuner/cache_latents.py:414"),
+    "vae_spatial_tile_sample_min_size": Option(INT, None, "src/musubi_tuner/cache_latents.py:415"),
+}
+
+# qwen_image/qwen_image_utils.py add_model_version_args (both Qwen-Image caching scripts add it)
+QWEN_IMAGE_VERSION: dict[str, Option] = {
+    "edit": Option(BOOL, False, "src/musubi_tuner/qwen_image/qwen_image_utils.py:1551"),
+    "edit_plus": Option(BOOL, False, "src/musubi_tuner/qwen_image/qwen_image_utils.py:1554"),
+    "model_version": Option(STR, None, "src/musubi_tuner/qwen_image/qwen_image_utils.py:1557"),
+}
+
+# flux_2/flux2_utils.py add_model_version_args (both FLUX.2 caching scripts add it)
+FLUX_2_VERSION: dict[str, Option] = {
+    "model_version": Option(STR, 'dev', "src/musubi_tuner/flux_2/flux2_utils.py:118"),
+}

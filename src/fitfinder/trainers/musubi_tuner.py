@@ -58,10 +58,12 @@ class Script:
     scaled: tuple[tuple[str, ...], tuple[str, ...]]  # --fp8_scaled: (targets, excluded) module names
     swap: Callable[[dict, int], dict[str, int]]  # (arch, n) -> block list: how many of its last blocks
     most_swapped: Callable[[dict], int]
-    previews: Callable[[KohyaJob], Previews]
+    previews: Callable[[str], Previews]  # the --task (Wan's) -> its previews' defaults
     lora_ignore: tuple[str, ...] = ()
     checkpoint: str = "dit"
     vae_dtype: str = "bf16"  # the VAE's dtype where --vae_dtype gives none
+    network_module: str = ""  # its LoRA (networks/lora_NAME.py)
+    model_files: tuple[tuple[str, str, str], ...] = ()  # (option, environment variable, what file) a new job names
 
     @property
     def cache_scripts(self) -> dict[str, dict[str, Option]]:
@@ -191,24 +193,29 @@ def _flux_2_most(arch: dict) -> int:
 
 
 # -- the scripts ------------------------------------------------------------------------------------------
-def _wan_previews(job: KohyaJob) -> Previews:
+def _wan_previews(task: str) -> Previews:
     """wan_train_network.py do_inference: cfg_scale the task's sample_guide_scale[0] (wan/configs:
     5.0 for Wan 2.1, 3.0 and 3.5 for 2.2's low-noise model), two DiT calls a step."""
-    return Previews({"t2v-A14B": 3.0, "i2v-A14B": 3.5}.get(str(job.get("task")), 5.0))
+    return Previews({"t2v-A14B": 3.0, "i2v-A14B": 3.5}.get(task, 5.0))
+
+
 
 
 SCRIPTS = {
     "qwen_image_train_network.py": Script(
         "qwen_image_train_network.py", QWEN_OPTIONS, _qwen_model,
-        _text_cache("qwen_image", parsers.QWEN_IMAGE_CACHE_TEXT), _latent_cache("qwen_image"), "fp8_vl",
+        _text_cache("qwen_image", {**parsers.QWEN_IMAGE_CACHE_TEXT, **parsers.QWEN_IMAGE_VERSION}),
+        _latent_cache("qwen_image", {**parsers.HV_CACHE_LATENTS, **parsers.QWEN_IMAGE_VERSION}), "fp8_vl",
         # qwen_image_model.py FP8_OPTIMIZATION_TARGET_KEYS / EXCLUDE_KEYS
         scaled=(("transformer_blocks",), ("norm", "time_text_embed")),
         # QwenImageTransformer2DModel.enable_block_swap: at most one block fewer than the model has
         swap=_one_list("transformer_blocks"), most_swapped=_blocks_less("num_layers", 60, 1),
         # QwenImageNetworkTrainer.do_inference: cfg_scale 4.0 unless --l, a second call
-        previews=lambda job: Previews(4.0),
+        previews=lambda task: Previews(4.0),
         # lora_qwen_image.create_arch_network: modulation layers (`_mod_`) are left out of the LoRA
-        lora_ignore=("img_mod", "txt_mod")),
+        lora_ignore=("img_mod", "txt_mod"), network_module="networks.lora_qwen_image",
+        model_files=(("dit", "QWEN_DIT", "qwen_image_bf16.safetensors"), ("vae", "QWEN_VAE", "the Qwen-Image VAE"),
+                     ("text_encoder", "QWEN_VL", "qwen_2.5_vl_7b.safetensors"))),
     "wan_train_network.py": Script(
         "wan_train_network.py", WAN_OPTIONS, _wan_model,
         _text_cache("wan", parsers.WAN_CACHE_TEXT), _latent_cache("wan", parsers.WAN_CACHE_LATENTS), "fp8_t5",
@@ -216,27 +223,54 @@ SCRIPTS = {
         scaled=(("blocks",), ("norm",)),
         # WanModel.enable_block_swap: at most one block fewer than the model has
         swap=_one_list("blocks"), most_swapped=_blocks_less("num_layers", 40, 1), previews=_wan_previews,
-        vae_dtype="fp16"),  # trainer_base.py _prepare_accelerator_and_dtypes: float16 unless --vae_dtype
+        vae_dtype="fp16",  # trainer_base.py _prepare_accelerator_and_dtypes: float16 unless --vae_dtype
+        network_module="networks.lora_wan",
+        model_files=(("dit", "WAN_DIT", "the Wan DiT .safetensors (low-noise one for Wan 2.2)"),
+                     ("dit_high_noise", "WAN_DIT_HIGH_NOISE", "the Wan 2.2 high-noise DiT .safetensors"),
+                     ("vae", "WAN_VAE", "Wan2.1_VAE.pth"), ("t5", "WAN_T5", "models_t5_umt5-xxl-enc-bf16.pth"),
+                     ("clip", "WAN_CLIP", "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth"))),
     "flux_kontext_train_network.py": Script(
         "flux_kontext_train_network.py", KONTEXT_OPTIONS, _fixed("flux_kontext", "flux-kontext-dev"),
-        _text_cache("flux_kontext", parsers.FLUX_KONTEXT_CACHE_TEXT), _latent_cache("flux_kontext"), "fp8_t5",
+        _text_cache("flux_kontext", parsers.FLUX_KONTEXT_CACHE_TEXT),
+        _latent_cache("flux_kontext", parsers.HV_CACHE_LATENTS), "fp8_t5",
         # flux/flux_models.py: the double and single blocks, norms excepted
         scaled=(("transformer_blocks",), ("norm",)), swap=_kontext_swap, most_swapped=_kontext_most,
-        previews=lambda job: Previews(2.5, guidance_key="g")),  # FLUX.1 Kontext's embedded guidance
+        previews=lambda task: Previews(2.5, guidance_key="g"),  # FLUX.1 Kontext's embedded guidance
+        network_module="networks.lora_flux",
+        model_files=(("dit", "KONTEXT_DIT", "flux1-kontext-dev.safetensors"), ("vae", "AE", "ae.safetensors"),
+                     ("text_encoder1", "T5XXL", "t5xxl_fp16.safetensors"),
+                     ("text_encoder2", "CLIP_L", "clip_l.safetensors"))),
     "zimage_train_network.py": Script(
         "zimage_train_network.py", ZIMAGE_OPTIONS, _fixed("zimage", "zimage-turbo"),
         _text_cache("zimage", parsers.ZIMAGE_CACHE_TEXT), _latent_cache("zimage"), "fp8_llm",
         # zimage/zimage_model.py FP8_OPTIMIZATION_TARGET_KEYS / EXCLUDE_KEYS
         scaled=(("layers.", "noise_refiner.", "context_refiner."), ("_modulation", ".norm_", "_norm")),
         # ZImageTransformer.enable_block_swap: at most two fewer than its layers
-        swap=_one_list("layers"), most_swapped=_blocks_less("n_layers", 30, 2), previews=lambda job: Previews(1.0)),
+        swap=_one_list("layers"), most_swapped=_blocks_less("n_layers", 30, 2), previews=lambda task: Previews(1.0),
+        network_module="networks.lora_zimage",
+        model_files=(("dit", "ZIMAGE_DIT", "the Z-Image DiT .safetensors"), ("vae", "AE", "ae.safetensors"),
+                     ("text_encoder", "QWEN3", "the Qwen3 text encoder .safetensors"))),
     "flux_2_train_network.py": Script(
         "flux_2_train_network.py", FLUX_2_OPTIONS, _flux_2_model,
-        _text_cache("flux_2", parsers.FLUX_2_CACHE_TEXT), _latent_cache("flux_2"), "fp8_text_encoder",
+        _text_cache("flux_2", {**parsers.FLUX_2_CACHE_TEXT, **parsers.FLUX_2_VERSION}),
+        _latent_cache("flux_2", parsers.FLUX_2_VERSION), "fp8_text_encoder",
         # flux_2/flux2_models.py FP8_OPTIMIZATION_TARGET_KEYS / EXCLUDE_KEYS
         scaled=(("transformer_blocks",), ("norm", "_modulation")), swap=_flux_2_swap, most_swapped=_flux_2_most,
-        previews=lambda job: Previews(4.0, guidance_key="g")),
+        previews=lambda task: Previews(4.0, guidance_key="g"), network_module="networks.lora_flux_2",
+        model_files=(("dit", "FLUX2_DIT", "the FLUX.2 DiT .safetensors"), ("vae", "FLUX2_VAE", "the FLUX.2 VAE"),
+                     ("text_encoder", "FLUX2_TEXT_ENCODER", "the FLUX.2 text encoder .safetensors"))),
 }
+# The script each model family trains with, and the options that name the model to it.
+FAMILIES = {"qwen_image": ("qwen_image_train_network.py", {}),
+            "qwen_image_edit": ("qwen_image_train_network.py", {"model_version": "edit"}),
+            "qwen_image_edit_plus": ("qwen_image_train_network.py", {"model_version": "edit-2509"}),
+            "wan21": ("wan_train_network.py", {"task": "t2v-14B"}),
+            "wan21_i2v": ("wan_train_network.py", {"task": "i2v-14B"}),
+            "wan22": ("wan_train_network.py", {"task": "t2v-A14B"}),
+            "wan22_i2v": ("wan_train_network.py", {"task": "i2v-A14B"}),
+            "flux_kontext": ("flux_kontext_train_network.py", {}), "zimage": ("zimage_train_network.py", {}),
+            "flux2": ("flux_2_train_network.py", {"model_version": "dev"}),
+            "flux2_klein": ("flux_2_train_network.py", {"model_version": "klein-9b"})}
 TO_COME = ("hv_train_network.py", "hv_1_5_train_network.py", "fpack_train_network.py", "qwen_image_train.py",
            "hidream_o1_train_network.py")
 
@@ -263,6 +297,22 @@ def infer_script(flat: dict[str, Any]) -> str | None:
 
 def options(script: Script) -> dict[str, Option]:
     return script.options
+
+
+def for_family(family: str) -> tuple[Script, dict[str, Any]] | None:
+    """The Script that trains `family`, and its own options for the model (--task, --model_version)."""
+    if family not in FAMILIES:
+        return None
+    name, own = FAMILIES[family]
+    return SCRIPTS[name], dict(own)
+
+
+def model_files(script: Script, own: dict[str, Any]) -> tuple[tuple[str, str, str], ...]:
+    """The model files a new job names: Wan's high-noise DiT only for 2.2's A14B tasks (both experts
+    trained) and its CLIP only for Wan 2.1's I2V tasks (wan_cache_latents.py: "required" there)."""
+    task = str(own.get("task") or "")
+    return tuple(entry for entry in script.model_files
+                 if (entry[0] != "dit_high_noise" or "A14B" in task) and (entry[0] != "clip" or task == "i2v-14B"))
 
 
 def model_of(job: KohyaJob) -> tuple[str, str]:
@@ -518,7 +568,7 @@ def recipe(job: KohyaJob, arch: dict) -> dict[str, Any]:
 
 def probe_request(job: KohyaJob, **run) -> dict:
     spec = run.pop("spec", None) or job.model_spec()
-    previews = job.script.previews(job)
+    previews = job.script.previews(str(job.get("task")))
     prompts = _kohya.prompt_lines(job)
     sample = _kohya.sample_settings(job, prompts, width=previews.width, height=previews.height, steps=previews.steps,
                                     guidance_key=previews.guidance_key, guidance=previews.guidance,

@@ -67,6 +67,8 @@ class Script:
     lora_convs: bool | None = None
     cache_scripts: dict = field(default_factory=dict)  # sd-scripts caches inside the training script
     model_type: str = "flux"  # flux_train_network.py's --model_type this Script answers
+    network_module: str = "networks.lora"  # its LoRA (networks/lora_NAME.py)
+    model_files: tuple[tuple[str, str, str], ...] = ()  # (option, environment variable, what file) a new job names
 
 
 # -- the architectures a checkpoint names ---------------------------------------------------------------
@@ -124,29 +126,47 @@ SCRIPTS = {
     "flux_train_network.py": Script(
         "flux_train_network.py", "flux", FLUX_OPTIONS, "pretrained_model_name_or_path", "flux-dev", _flux_arch,
         clips=("text_encoder",), t5=("text_encoder_2",), caches_text=True, previews=_FLUX_PREVIEWS,
-        swap=_flux_swap, most_swapped=_flux_most),
+        swap=_flux_swap, most_swapped=_flux_most, network_module="networks.lora_flux",
+        model_files=(("pretrained_model_name_or_path", "FLUX_MODEL", "the FLUX.1 transformer .safetensors "
+                      "(flux1-dev.safetensors)"), ("clip_l", "CLIP_L", "clip_l.safetensors"),
+                     ("t5xxl", "T5XXL", "t5xxl_fp16.safetensors"), ("ae", "AE", "ae.safetensors"))),
     "sdxl_train_network.py": Script(
         "sdxl_train_network.py", "sdxl", SDXL_OPTIONS, "pretrained_model_name_or_path", "sdxl-base",
         _same("sdxl-base"), clips=("text_encoder", "text_encoder_2"), t5=(), caches_text=True,
-        previews=_SD_PREVIEWS, lora_blocks=UNET_LORA_BLOCKS, lora_convs=True),
+        previews=_SD_PREVIEWS, lora_blocks=UNET_LORA_BLOCKS, lora_convs=True,
+        model_files=(("pretrained_model_name_or_path", "SDXL_MODEL", "the SDXL checkpoint .safetensors"),)),
     "sd3_train_network.py": Script(
         "sd3_train_network.py", "sd3", SD3_OPTIONS, "pretrained_model_name_or_path", "sd35-large",
         _same("sd35-large"), clips=("text_encoder", "text_encoder_2"), t5=("text_encoder_3",), caches_text=True,
-        previews=_SD3_PREVIEWS, swap=_list_swap("transformer_blocks"), most_swapped=_list_most("num_layers", 38)),
+        previews=_SD3_PREVIEWS, swap=_list_swap("transformer_blocks"), most_swapped=_list_most("num_layers", 38),
+        network_module="networks.lora_sd3",
+        model_files=(("pretrained_model_name_or_path", "SD3_MODEL", "the SD3 checkpoint .safetensors"),
+                     ("clip_l", "CLIP_L", "clip_l.safetensors"), ("clip_g", "CLIP_G", "clip_g.safetensors"),
+                     ("t5xxl", "T5XXL", "t5xxl_fp16.safetensors"))),
     "train_network.py": Script(
         "train_network.py", "sd15", SD15_OPTIONS, "pretrained_model_name_or_path", "sd15", _same("sd15"),
         clips=("text_encoder",), t5=(), caches_text=False, previews=_SD_PREVIEWS, lora_blocks=UNET_LORA_BLOCKS,
-        lora_convs=True),
+        lora_convs=True,
+        model_files=(("pretrained_model_name_or_path", "SD15_MODEL", "the SD 1.5 checkpoint .safetensors"),)),
     "lumina_train_network.py": Script(
         "lumina_train_network.py", "lumina2", LUMINA_OPTIONS, "pretrained_model_name_or_path", "lumina2",
         _same("lumina2"), clips=("text_encoder",), t5=(), caches_text=True, previews=_LUMINA_PREVIEWS,
-        swap=_list_swap("layers"), most_swapped=_list_most("num_layers", 26)),
+        swap=_list_swap("layers"), most_swapped=_list_most("num_layers", 26), network_module="networks.lora_lumina",
+        model_files=(("pretrained_model_name_or_path", "LUMINA_MODEL", "the Lumina Image 2.0 .safetensors"),
+                     ("gemma2", "GEMMA2", "gemma_2_2b_fp16.safetensors"), ("ae", "AE", "ae.safetensors"))),
 }
 # flux_train_network.py --model_type chroma (library/flux_train_utils.py :684): Chroma, a Flux without
 # CLIP-L (FluxNetworkTrainer.assert_extra_args: use_clip_l False, apply_t5_attn_mask required).
 CHROMA = Script("flux_train_network.py", "chroma", FLUX_OPTIONS, "pretrained_model_name_or_path", "chroma",
                 _same("chroma"), clips=(), t5=("text_encoder",), caches_text=True, previews=_FLUX_PREVIEWS,
-                swap=_flux_swap, most_swapped=_flux_most, model_type="chroma")
+                swap=_flux_swap, most_swapped=_flux_most, model_type="chroma", network_module="networks.lora_flux",
+                model_files=(("pretrained_model_name_or_path", "CHROMA_MODEL", "the Chroma .safetensors"),
+                             ("t5xxl", "T5XXL", "t5xxl_fp16.safetensors"), ("ae", "AE", "ae.safetensors")))
+# The script each model family trains with, and the options that name the model to it.
+FAMILIES = {"flux": ("flux_train_network.py", {}), "sdxl": ("sdxl_train_network.py", {}),
+            "sd3": ("sd3_train_network.py", {}), "sd15": ("train_network.py", {}),
+            "lumina2": ("lumina_train_network.py", {}),
+            "chroma": ("flux_train_network.py", {"model_type": "chroma", "apply_t5_attn_mask": True})}
 # Scripts of sd-scripts that fitfinder knows and does not follow yet, named so a job of one is told so.
 TO_COME = ("anima_train_network.py", "hunyuan_image_train_network.py")
 
@@ -168,6 +188,18 @@ def infer_script(flat: dict[str, Any]) -> str | None:
 
 def options(script: Script) -> dict[str, Option]:
     return script.options
+
+
+def for_family(family: str) -> tuple[Script, dict[str, Any]] | None:
+    """The Script that trains `family`, and its own options for the model (Chroma's --model_type)."""
+    if family not in FAMILIES:
+        return None
+    name, own = FAMILIES[family]
+    return (CHROMA if own.get("model_type") == "chroma" else SCRIPTS[name]), dict(own)
+
+
+def model_files(script: Script, own: dict[str, Any]) -> tuple[tuple[str, str, str], ...]:
+    return script.model_files
 
 
 def for_model_type(job: KohyaJob) -> None:
