@@ -192,3 +192,19 @@ def test_the_trainer_probe_writes_a_point_into_its_own_folder(tmp_path):
     back = trainers.load(folder / "job.sh")
     assert back.get("max_train_steps") == 20 and back.get("output_dir") == str(folder / "out")
     assert back.get("dataset_config") == str(folder / "job_dataset.toml")
+
+
+def test_diagnose_writes_the_first_change_into_a_copy_of_a_kohya_job_in_its_own_form(tmp_path):
+    folder = _copy(SD, tmp_path)
+    log = ROOT / "tests" / "logs" / "kohya_sdxl_step3_torch20.log"  # an OOM at step 3
+    result = run_cli("diagnose", str(log), "--job", "flux_lora_24gb.sh", "-o", "fixed.sh", "--json", cwd=folder)
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout)
+    # checkpointing is on already: batch 1, the accumulation keeping the effective batch of 2
+    assert answer["changes"] == [{"key": "datasets[0].batch_size", "old": 2, "new": 1},
+                                 {"key": "gradient_accumulation_steps", "old": 1, "new": 2}]
+    fixed = trainers.load(folder / "fixed.sh")
+    assert (fixed.get("datasets[0].batch_size"), fixed.get("gradient_accumulation_steps")) == (1, 2)
+    assert (folder / "fixed_dataset.toml").is_file() and "--dataset_config fixed_dataset.toml" in \
+        (folder / "fixed.sh").read_text()
+    assert trainers.load(folder / "flux_lora_24gb.sh").get("datasets[0].batch_size") == 2  # the input is unchanged

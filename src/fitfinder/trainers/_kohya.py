@@ -153,6 +153,12 @@ class KohyaJob:
     def knob_specs(self) -> list[KnobSpec]:
         return self.trainer.knob_specs(self)
 
+    def diagnose_settings(self) -> dict[str, Any]:
+        return diagnose_settings(self)
+
+    def lever_changes(self, lever: str) -> list[tuple[str, Any, Any]]:
+        return lever_changes(self, lever)
+
     def probe_request(self, **run) -> dict:
         return self.trainer.probe_request(self, **run)
 
@@ -864,3 +870,91 @@ def _caching_scripts(job: NewJob) -> list[tuple[str, dict[str, Option]]]:
         return []  # sd-scripts caches inside the training script
     return [(f"src/musubi_tuner/{name}", options) for name, options in (job.script.latent_cache,
                                                                           job.script.text_cache)]
+
+
+# -- a diagnosis's first change, in the trainer's own settings (fitfinder diagnose --job run.sh) -------
+def diagnose_settings(job: KohyaJob) -> dict[str, Any]:
+    """What diagnose's rollback looks at (diagnose.Settings' fields), read from the job: the datasets'
+    batch and largest resolution, the clips' frames, fp8, block swap (or Wan 2.2's offloaded expert),
+    the text encoders' caching (always, in musubi-tuner), the previews, the data loader's workers."""
+    musubi = job.trainer.REPO == "musubi-tuner"
+    frames = [job.trainer.clip_frames(job, i) for i in range(len(job.datasets))] if musubi else [1]
+    prompts = prompt_lines(job) or []
+    previews = [(int(p["w"]), int(p["h"])) for p in prompts if p.get("w") and p.get("h")]
+    return {
+        "batch": max(int(job.get(f"datasets[{i}].batch_size")) for i in range(len(job.datasets))),
+        "accumulation": job.accumulation,
+        "checkpointing": bool(job.get("gradient_checkpointing")),
+        "buckets": sorted({resolution_side(v) for v in job.get("datasets[*].resolution")}),
+        "frames": max(frames),
+        "quantize": bool(job.get("fp8_base") or job.get("fp8_base_unet")),
+        "quantize_text": _text_in_fp8(job),
+        "low_vram": bool(job.get("blocks_to_swap") or job.get("offload_inactive_dit")),
+        "cache_text": musubi or bool(job.get("cache_text_encoder_outputs")
+                                     or job.get("cache_text_encoder_outputs_to_disk")),
+        "sampling_off": not job.get("sample_prompts"),
+        "sample_size": max(previews, key=lambda size: size[0] * size[1]) if previews else None,
+        "cache_to_disk": musubi or bool(job.get("cache_latents_to_disk")),
+        "workers": int(job.get("max_data_loader_n_workers") or 0),
+    }
+
+
+def _text_in_fp8(job: KohyaJob) -> bool | None:
+    """Whether the text encoders' caching pass runs in fp8: musubi-tuner's caching script's switch
+    (--fp8_vl, --fp8_t5, ...); sd-scripts' T5XXL from an fp8 file with --fp8_base (the CLIPs are
+    "always not fp8" there); None where neither says (no T5XXL, or its file is not here)."""
+    if job.trainer.REPO == "musubi-tuner":
+        flag = job.script.text_fp8
+        return bool(job.trainer.cache_flag(job, job.script.text_cache[0], flag) or job.get(flag))
+    if "t5xxl" not in job.options or not job.get("t5xxl"):
+        return None
+    return bool(job.get("fp8_base")) and part_dtype(job, "t5xxl", "") == "fp8"
+
+
+def lever_changes(job: KohyaJob, lever: str) -> list[tuple[str, Any, Any]]:
+    """diagnose's lever (diagnose.LEVERS) as this job's edits, (option or dataset key, old, new): the knob
+    that turns the same setting, written by its own writer (so the change reads as the search would
+    write it), or the option itself; none where the job has no such setting (the text encoder's fp8 is
+    a file, the preview's size a prompt file's flags)."""
+    knobs = {knob.name: knob for knob in job.knob_specs()}
+    value = _lever_value(job, lever, knobs)
+    target = job.copy()
+    target.changes = {}
+    if value is not None:
+        knob = knobs[value[0]]
+        knob.writer(target, value[1], None)
+    elif lever == "cache_to_disk" and "cache_latents_to_disk" in job.options \
+            and not job.get("cache_latents_to_disk"):
+        target.set("cache_latents_to_disk", True)
+    elif lever == "fewer_workers" and int(job.get("max_data_loader_n_workers") or 0) > 0:
+        target.set("max_data_loader_n_workers", 0)
+    return [(key, job.get(key), new) for key, new in target.changes.items() if job.get(key) != new]
+
+
+def _lever_value(job: KohyaJob, lever: str, knobs: dict[str, KnobSpec]) -> tuple[str, Any] | None:
+    """(knob name, its value) for a lever: one step lighter than the job, on the knob's own ladder."""
+    def lighter(name: str) -> tuple[str, Any] | None:
+        knob = knobs.get(name)
+        if knob is None:
+            return None
+        index = knob.candidates.index(knob.desired)
+        return (name, knob.candidates[index - 1]) if index > 0 else None
+
+    if lever == "checkpointing":
+        return ("gradient_checkpointing", True) if "gradient_checkpointing" in knobs and not knobs[
+            "gradient_checkpointing"].desired else None
+    if lever == "batch":
+        return ("batch", 1) if "batch" in knobs and knobs["batch"].desired != 1 else None
+    if lever == "low_vram":  # Wan 2.2's inactive expert to the host first, else half the blocks it can swap
+        if "low_vram" in knobs and not knobs["low_vram"].desired:
+            return "low_vram", True
+        swap = knobs.get("layer_offloading")
+        if swap is None or swap.desired >= swap.candidates[0]:
+            return None
+        return "layer_offloading", min(swap.candidates[0], swap.desired + max(1, swap.candidates[0] // 2))
+    if lever == "sampling_off":
+        return ("sampling", False) if "sampling" in knobs else None
+    if lever == "cache_text":
+        return ("text_encoder", "cache") if "text_encoder" in knobs else None
+    by_knob = {"bucket": "buckets", "frames": "frames", "quantize": "quantize"}
+    return lighter(by_knob[lever]) if lever in by_knob else None
