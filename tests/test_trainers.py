@@ -44,12 +44,13 @@ def test_knobs_speak_the_trainers_names():
     assert [k.short for k in sd.knobs] == ["gradient_checkpointing", "batch_size", "blocks_to_swap"]
     assert sd.by_name["layer_offloading"].candidates == tuple(range(35, -1, -1))  # FLUX.1: up to 35 blocks
     musubi = space.build(trainers.load(MUSUBI / "qwen_image_lora_24gb.sh"))
-    assert [k.short for k in musubi.knobs] == ["network_dim", "fp8_base", "gradient_checkpointing", "blocks_to_swap"]
+    assert [k.short for k in musubi.knobs] == ["network_dim", "fp8_base", "fp8_vl", "gradient_checkpointing",
+                                               "blocks_to_swap"]  # fp8_vl: its text caching script's switch
     assert musubi.by_name["quantize"].candidates == ("fp8", "fp8_scaled")  # never past the job's own precision
     assert musubi.by_name["layer_offloading"].candidates[0] == 59  # Qwen-Image: one fewer than its 60 blocks
     point = {**musubi.desired(), "rank": 4, "layer_offloading": 45}
-    assert musubi.describe(point) == "network_dim=4 fp8_base=fp8_base+fp8_scaled gradient_checkpointing=on " \
-                                     "blocks_to_swap=45"
+    assert musubi.describe(point) == "network_dim=4 fp8_base=fp8_base+fp8_scaled fp8_vl=off " \
+                                     "gradient_checkpointing=on blocks_to_swap=45"
 
 
 def test_a_shell_job_round_trips_with_only_the_changed_flags_differing(tmp_path):
@@ -208,3 +209,26 @@ def test_diagnose_writes_the_first_change_into_a_copy_of_a_kohya_job_in_its_own_
     assert (folder / "fixed_dataset.toml").is_file() and "--dataset_config fixed_dataset.toml" in \
         (folder / "fixed.sh").read_text()
     assert trainers.load(folder / "flux_lora_24gb.sh").get("datasets[0].batch_size") == 2  # the input is unchanged
+
+
+def test_a_text_encoders_fp8_and_the_previews_size_are_written_where_the_trainer_reads_them(tmp_path):
+    folder = _copy(MUSUBI, tmp_path)
+    source = folder / "qwen_image_lora_24gb.sh"
+    (folder / "prompts.txt").write_text("# previews\na cat --w 1024 --h 768 --s 20\na dog --s 10\n")
+    source.write_text(source.read_text().replace("--network_dim 16", "--network_dim 16 --sample_prompts prompts.txt "
+                                                 "--sample_every_n_steps 100"))
+    job = trainers.load(source)
+    found = space.build(job)
+    assert found.by_name["text_encoder"].title == "fp8_vl"  # qwen_image_cache_text_encoder_outputs.py's switch
+    assert found.by_name["sample_size"].candidates == ("512x384", "768x576", "1024x768")
+    written = found.apply(job, {**found.desired(), "text_encoder": "fp8", "sample_size": "512x384"}).write(
+        tmp_path / "out" / "best.yaml")
+    lines = written.read_text().splitlines()
+    caching = next(i for i, line in enumerate(lines) if "qwen_image_cache_text_encoder_outputs.py" in line)
+    assert "--fp8_vl" in "".join(lines[caching:caching + 5])  # on the caching command, where it encodes
+    assert (tmp_path / "out" / "best_prompts.txt").read_text() == \
+        "# previews\na cat --w 512 --h 384 --s 20\na dog --s 10 --w 256 --h 256\n"  # 256x256: its default
+    back = trainers.load(written)
+    request = requests.request_for(back, 3, "sim", None)
+    assert request["trainer"]["weights"]["text_encoder"] == "fp8"
+    assert (request["sample"]["width"], request["sample"]["height"]) == (512, 384)

@@ -131,7 +131,9 @@ def _caching_commands(commands, trainer, script, source: str) -> list[dict]:
                 dataset = flags.get("dataset_config")
                 found.append({"script": Path(word.text).name, "flags": {k: v for k, (_, _, v) in flags.items()},
                               "dataset_word": words[dataset[0] + 1] if dataset and dataset[1] > dataset[0] + 1
-                              else None})
+                              else None,
+                              # where each flag's words are, so a change to one is made where it stands
+                              "words": words, "spans": {k: (first, end) for k, (first, end, _) in flags.items()}})
     return found
 
 

@@ -187,7 +187,8 @@ class KohyaJob:
         best_dataset.toml); refuses to write over an input file. Returns the main file."""
         path = Path(path)
         texts = self.files(path.stem, header, dest=path.parent)
-        inputs = {Path(p).resolve() for p in (self.source, self.config_path, self.dataset_path) if p}
+        inputs = {Path(p).resolve() for p in (self.source, self.config_path, self.dataset_path,
+                                              resolve(self, self.get("sample_prompts"))) if p}
         for name in texts:
             if (path.parent / name).resolve() in inputs:
                 raise UserError(f"{path.parent / name}: refusing to write over an input file of the job")
@@ -454,7 +455,8 @@ def write_files(job: KohyaJob, stem: str, header: list[str], folder: Path | None
     trainer probe's private folder) every file is written and each names the others by their path there."""
     line_edits: dict[str, Any] = {}
     config_edits: dict[str, Any] = {}
-    option_edits = {key: value for key, value in job.changes.items() if not key.startswith("datasets[")}
+    option_edits = {key: value for key, value in job.changes.items()
+                    if not key.startswith(("datasets[", "cache:", PROMPTS_SIZE))}
     dataset_edits, from_datasets = job.trainer.dataset_edits(
         job, {key: value for key, value in job.changes.items() if key.startswith("datasets[")})
     option_edits.update(from_datasets)
@@ -463,8 +465,13 @@ def write_files(job: KohyaJob, stem: str, header: list[str], folder: Path | None
         (line_edits if on_line else config_edits)[key] = value
     _relocated(job, line_edits, config_edits, dest)
     files: dict[str, str] = {}
-    names = {"dataset": f"{stem}_dataset.toml", "config": f"{stem}.toml"}
+    names = {"dataset": f"{stem}_dataset.toml", "config": f"{stem}.toml", "prompts": f"{stem}_prompts.txt"}
     where = {kind: str(folder / name) if folder else name for kind, name in names.items()}
+    prompts = prompt_text(job) if PROMPTS_SIZE in job.changes and job.get("sample_prompts") else None
+    if prompts is not None:  # the previews' new size: a copy of the prompt file beside the job
+        files[names["prompts"]] = prompts
+        on_line = "sample_prompts" in job.line_flags or job.form == "shell" and "sample_prompts" not in job.config
+        (line_edits if on_line else config_edits)["sample_prompts"] = where["prompts"]
     if job.dataset_text is not None and (dataset_edits or folder):
         files[names["dataset"]] = _dataset_text(job, dataset_edits)
         on_line = "dataset_config" in job.line_flags or job.form == "shell" and "dataset_config" not in job.config
@@ -485,7 +492,7 @@ def _relocated(job: KohyaJob, line_edits: dict, config_edits: dict, dest: Path |
         return
     import os
 
-    for key in ("config_file", "dataset_config"):
+    for key in ("config_file", "dataset_config", "sample_prompts"):
         path = resolve(job, job.get(key))
         if path is None or Path(str(job.get(key))).is_absolute():
             continue
@@ -502,6 +509,7 @@ def _shell_text(job: KohyaJob, edits: dict[str, Any], header: list[str], dataset
         if dataset is not None and cached.get("dataset_word") is not None:
             word = cached["dataset_word"]
             changes.append((word.start, word.end, _shell.quoted(str(dataset))))
+        changes += _caching_edits(job, cached)
     for key, value in edits.items():
         option = job.options.get(key)
         if key in job.line_flags:
@@ -521,6 +529,34 @@ def _shell_text(job: KohyaJob, edits: dict[str, Any], header: list[str], dataset
         changes.append((words[-1].end, words[-1].end, joiner + joiner.join(appended)))
     body = _shell.edited(text, changes)
     return _with_header(body, header, "#")
+
+
+CACHE_KEY = "cache:{script}:{flag}"  # a change to a caching command's flag (musubi-tuner's text encoder's fp8)
+
+
+def cache_key(script: str, flag: str) -> str:
+    return CACHE_KEY.format(script=script, flag=flag)
+
+
+def _caching_edits(job: KohyaJob, cached: dict) -> list[tuple[int, int, str]]:
+    """A caching command's changed flags, made where each stands (removed when switched off), or
+    appended after its last word."""
+    text, words, edits = job.shell_text, cached.get("words") or [], []
+    prefix = cache_key(cached["script"], "")
+    for key, value in job.changes.items():
+        if not key.startswith(prefix) or not words:
+            continue
+        flag = key[len(prefix):]
+        if flag in cached["spans"]:
+            first, end = cached["spans"][flag]
+            start, stop = words[first].start, words[end - 1].end
+            if value is None or value is False:
+                edits.append((_blank_before(text, start), stop, ""))
+            else:
+                edits.append((start, stop, _flag_words(flag, value, None)))
+        elif value is not None and value is not False:
+            edits.append((words[-1].end, words[-1].end, " " + _flag_words(flag, value, None)))
+    return edits
 
 
 def _blank_before(text: str, start: int) -> int:
@@ -644,11 +680,11 @@ def prompt_lines(job: KohyaJob) -> list[dict[str, str]] | None:
     """The sample prompt file's prompts, each with its options (`--w 1024 --h 1024 --s 20 ...`), as
     train_util.load_prompts reads a .txt file; None when there is no file to read (a .toml or .json
     prompt file is not read: its previews take the defaults, and the notes say so)."""
-    path = resolve(job, job.get("sample_prompts"))
-    if path is None or not path.is_file() or path.suffix.lower() not in (".txt", ""):
+    text = prompt_text(job)
+    if text is None:
         return None
     found = []
-    for line in read_text(path, "sample prompt file").splitlines():
+    for line in text.splitlines():
         line = line.strip()
         if not line or line.startswith("#"):
             continue
@@ -658,6 +694,63 @@ def prompt_lines(job: KohyaJob) -> list[dict[str, str]] | None:
             options[key] = value.strip()
         found.append(options)
     return found
+
+
+def prompt_text(job: KohyaJob) -> str | None:
+    """The prompt file's text with fitfinder's preview size (PROMPTS_SIZE) in it; None where there is
+    no .txt prompt file to read."""
+    path = resolve(job, job.get("sample_prompts"))
+    if path is None or not path.is_file() or path.suffix.lower() not in (".txt", ""):
+        return None
+    text = read_text(path, "sample prompt file")
+    size = job.changes.get(PROMPTS_SIZE)
+    return text if size is None else _sized_prompts(text, *size, job.trainer.PREVIEW_DEFAULT(job))
+
+
+# A change to the previews' size: every prompt line's --w and --h at most these (the largest becomes them).
+PROMPTS_SIZE = "prompts:size"
+_SIZE_OPTION = re.compile(r"(\s--([wh])\s+)(\d+)")
+
+
+def _sized_prompts(text: str, width: int, height: int, default: tuple[int, int]) -> str:
+    """Each prompt line with its --w / --h (the script's default where it has none) capped at the size."""
+    lines = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            lines.append(line)
+            continue
+        sizes = {"w": default[0], "h": default[1]}
+        sizes.update({m.group(2): int(m.group(3)) for m in _SIZE_OPTION.finditer(line)})
+        capped = {"w": min(sizes["w"], width), "h": min(sizes["h"], height)}
+        line = _SIZE_OPTION.sub(lambda m: f"{m.group(1)}{capped[m.group(2)]}", line)
+        for key in ("w", "h"):
+            if not re.search(rf"\s--{key}\s+\d+", line):
+                line = f"{line.rstrip()} --{key} {capped[key]}"
+        lines.append(line)
+    return "\n".join(lines) + ("\n" if text.endswith("\n") else "")
+
+
+def sample_size_knob(job: KohyaJob) -> KnobSpec | None:
+    """The previews' size (the prompt file's --w / --h): the largest, three quarters of it and half,
+    keeping its aspect on a 64-pixel grid, as fitfinder's AI Toolkit knob; written as a copy of the
+    prompt file beside the job. Offered where there is a .txt prompt file to read."""
+    prompts = prompt_lines(job) if job.get("sample_prompts") else None
+    if not prompts:
+        return None
+    default = job.trainer.PREVIEW_DEFAULT(job)
+    sizes = [(int(p.get("w", default[0])), int(p.get("h", default[1]))) for p in prompts]
+    width, height = max(sizes, key=lambda size: (size[0] * size[1], size))
+    labels = {f"{width}x{height}"}
+    for scale in (0.5, 0.75):
+        labels.add(f"{max(64, round(width * scale / 64) * 64)}x{max(64, round(height * scale / 64) * 64)}")
+    ordered = tuple(sorted(labels, key=lambda label: math.prod(int(p) for p in label.split("x"))))
+
+    def write(target: KohyaJob, label: str, space) -> None:
+        target.set(PROMPTS_SIZE, tuple(int(p) for p in label.split("x")))
+
+    return KnobSpec("sample_size", "quality", ordered, f"{width}x{height}", ("sample_prompts",),
+                    frozenset({"sample", "last_sample"}), "--w/--h", str, write)
 
 
 def settings_problem(job: KohyaJob, where: str, ok: bool, expected: str) -> None:
@@ -954,7 +1047,12 @@ def _lever_value(job: KohyaJob, lever: str, knobs: dict[str, KnobSpec]) -> tuple
         return "layer_offloading", min(swap.candidates[0], swap.desired + max(1, swap.candidates[0] // 2))
     if lever == "sampling_off":
         return ("sampling", False) if "sampling" in knobs else None
-    if lever == "cache_text":
-        return ("text_encoder", "cache") if "text_encoder" in knobs else None
+    text = knobs.get("text_encoder")
+    if lever == "cache_text":  # sd-scripts: cache_text_encoder_outputs
+        return ("text_encoder", "cache") if text and "cache" in text.candidates and text.desired != "cache" else None
+    if lever == "quantize_text":  # musubi-tuner: the text caching script's fp8 switch
+        return ("text_encoder", "fp8") if text and "fp8" in text.candidates and text.desired != "fp8" else None
+    if lever == "smaller_sample":
+        return lighter("sample_size")
     by_knob = {"bucket": "buckets", "frames": "frames", "quantize": "quantize"}
     return lighter(by_knob[lever]) if lever in by_knob else None

@@ -25,6 +25,12 @@ REPO = "musubi-tuner"
 # training/trainer_base.py get_optimizer: an empty optimizer_type matches no optimizer (getattr(torch.optim, "")).
 DEFAULT_OPTIMIZER = None
 
+
+def PREVIEW_DEFAULT(job) -> tuple[int, int]:  # noqa: N802 - a trainer's constant, by the job's script
+    """A preview prompt's size where it gives no --w / --h (trainer_base.py sample_image_inference: 256x256)."""
+    previews = job.script.previews(str(job.get("task")))
+    return previews.width, previews.height
+
 QWEN_OPTIONS: dict[str, Option] = {**parsers.COMMON, **parsers.QWEN_IMAGE}
 WAN_OPTIONS: dict[str, Option] = {**parsers.COMMON, **parsers.WAN}
 KONTEXT_OPTIONS: dict[str, Option] = {**parsers.COMMON, **parsers.FLUX_KONTEXT}
@@ -466,10 +472,32 @@ def offload_knob(job: KohyaJob) -> KnobSpec | None:
                                                                                  "last_sample"}), True)
 
 
+def text_fp8_knob(job: KohyaJob) -> KnobSpec | None:
+    """The text caching script's fp8 switch (--fp8_vl, --fp8_t5, --fp8_llm, --fp8_text_encoder): the
+    text encoder in float8_e4m3fn in its own process (the training script's switch of the same name
+    encodes the sample prompts the same way, and is set with it). Offered where the shell file runs
+    that caching script; fp8 < bf16, never past the job's own."""
+    script, flag = job.script.text_cache[0], job.script.text_fp8
+    if not any(command["script"] == script for command in job.caching):
+        return None
+    desired = "fp8" if cache_flag(job, script, flag) or job.get(flag) else "bf16"  # as recipe() reads it
+    values = ("fp8",) if desired == "fp8" else ("fp8", "bf16")
+
+    def write(target: KohyaJob, form: str, space) -> None:
+        target.set(_kohya.cache_key(script, flag), form == "fp8")
+        if flag in target.options:
+            target.set(flag, form == "fp8")
+
+    return KnobSpec("text_encoder", "quality", values, desired, (flag,), frozenset({"text_encoder"}), flag,
+                    lambda v: "on" if v == "fp8" else "off", write)
+
+
 def knob_specs(job: KohyaJob) -> list[KnobSpec]:
     arch = job.architecture_spec()["arch"]
     found = [_kohya.buckets_knob(job), frames_knob(job), _kohya.rank_knob(job), quantize_knob(job),
-             _kohya.optimizer_knob(job, DEFAULT_OPTIMIZER), _kohya.sampling_knob(job), _kohya.batch_knob(job),
+             _kohya.optimizer_knob(job, DEFAULT_OPTIMIZER), _kohya.sampling_knob(job), _kohya.sample_size_knob(job),
+             text_fp8_knob(job),
+             _kohya.batch_knob(job),
              _kohya.switch_knob("gradient_checkpointing", "gradient_checkpointing", job, frozenset({"train"}), True),
              offload_knob(job), swap_knob(job, arch)]
     return [knob for knob in found if knob is not None and len(knob.candidates) > 1]
@@ -491,6 +519,10 @@ def phases_run(job: KohyaJob, point: dict) -> list[str]:
 
 
 def cache_flag(job: KohyaJob, script: str, name: str) -> Any:
+    """A caching command's flag: fitfinder's change to it, else the command line's."""
+    changed = _kohya.cache_key(script, name)
+    if changed in job.changes:
+        return job.changes[changed]
     for command in job.caching:
         if command["script"] == script and name in command["flags"]:
             return command["flags"][name]

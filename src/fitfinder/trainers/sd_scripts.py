@@ -25,6 +25,11 @@ REPO = "sd-scripts"
 # train_util.get_optimizer: an empty optimizer_type is AdamW.
 DEFAULT_OPTIMIZER = "adamw"
 
+
+def PREVIEW_DEFAULT(job) -> tuple[int, int]:  # noqa: N802 - a trainer's constant, by the job's script
+    """A preview prompt's size where it gives no --w / --h (each script's sample_image_inference)."""
+    return job.script.previews.width, job.script.previews.height
+
 # Each script's parser, as its setup_parser builds it (library/config_util.py add_config_arguments
 # is in COMMON: --dataset_config).
 FLUX_OPTIONS: dict[str, Option] = {**parsers.COMMON, **parsers.DIT, **parsers.FLUX}
@@ -324,7 +329,7 @@ def knob_specs(job: KohyaJob) -> list[KnobSpec]:
     arch = job.architecture_spec()["arch"]
     found = [_kohya.buckets_knob(job), _kohya.rank_knob(job), quantize_knob(job),
              _kohya.optimizer_knob(job, DEFAULT_OPTIMIZER),
-             _kohya.sampling_knob(job), text_encoder_knob(job), _kohya.batch_knob(job),
+             _kohya.sampling_knob(job), _kohya.sample_size_knob(job), text_encoder_knob(job), _kohya.batch_knob(job),
              _kohya.switch_knob("gradient_checkpointing", "gradient_checkpointing", job, frozenset({"train"}), True),
              _kohya.swap_knob(job, max_blocks_to_swap(job, arch), frozenset({"sample", "train", "last_sample"}))]
     return [knob for knob in found if knob is not None and len(knob.candidates) > 1]
