@@ -230,3 +230,25 @@ def test_the_estimate_is_the_sim_meters_count_in_every_phase(tmp_path, name):
     found = estimate.run(job, estimate.InProcess(900), GpuOverhead.none())
     simulated = {phase: stats["peak_allocated"] for phase, stats in probed["phase_stats"].items()}
     assert {phase: stats["peak_live"] for phase, stats in found.phase_stats.items()} == simulated
+
+
+@pytest.mark.slow
+def test_block_swap_takes_bf16_weights_off_the_card_in_training_too(tmp_path):
+    """A swapped block's bf16 weights are used in place by its layers (no fp8 upcast makes a copy): the
+    views its ops return must not count them again (meter.hold_in_host), in the sim meter and the estimate."""
+    from tests.test_trainers_probe import DATASET, MUSUBI as QWEN
+
+    (tmp_path / "dataset.toml").write_text(DATASET.format(resolution=256))
+    (tmp_path / "run.sh").write_text(QWEN.replace("--fp8_base --fp8_scaled ", ""))  # bf16, one block swapped
+    job = trainers.load(tmp_path / "run.sh", arch="qwen_image-tiny")
+    found = space.build(job)
+    resident = found.apply(job, {**found.desired(), "layer_offloading": 0})
+    runner, none = estimate.InProcess(600), GpuOverhead.none()
+    swapped_train = estimate.run(job, runner, none).phase_stats["train"]["peak_live"]
+    resident_train = estimate.run(resident, runner, none).phase_stats["train"]["peak_live"]
+    transformer = job.architecture_spec()["arch"]["parts"]["transformer"]
+    width = transformer["num_attention_heads"] * transformer["attention_head_dim"]
+    per_stream = 4 * width * width + width * 6 * width + 2 * width * 4 * width  # as the fp8 test counts them
+    assert resident_train - swapped_train == 2 * per_stream * 2  # two streams, two bytes a weight
+    probed = probe.ProbeRunner(900).run(requests.request_for(job, 3, "sim", None))
+    assert probed["phase_stats"]["train"]["peak_allocated"] == swapped_train

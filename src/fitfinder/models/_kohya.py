@@ -173,8 +173,8 @@ def swap_blocks(pipe, part: str, swapped: dict[str, int]) -> int:
                     if meter.kind == "cuda":
                         param = torch.nn.Parameter(param.detach().to("cpu"), requires_grad=False)
                         layer._parameters["weight"] = param
-                    else:
-                        meter.release(param)
+                    else:  # used in place by its layer: no view of it may count it again
+                        meter.hold_in_host(param)
                     param._is_memory_managed = True  # the meters count it as host memory (meter.tensors_of)
                     held.append(layer)
             if meter.kind == "cuda":
