@@ -47,8 +47,8 @@ def estimate(job: str, cache: Path | None) -> dict | None:
             return json.loads(found.read_text())
         except (OSError, ValueError):  # not there, or still being written
             return None
-    result = subprocess.run([sys.executable, "-m", "fitfinder", "estimate", str(ROOT / "examples" / job), "--json"],
-                            capture_output=True, text=True, cwd=ROOT)
+    result = subprocess.run([sys.executable, "-m", "fitfinder", "estimate", str(ROOT / "examples" / job), "--json",
+                             "--timeout", "3600"], capture_output=True, text=True, cwd=ROOT)
     return json.loads(result.stdout) if result.stdout.strip() else None
 
 
@@ -68,12 +68,12 @@ def main() -> None:
           "train phase |")
     print("|---|---|---|---|---|---|---|")
     for job, aitk, published, words in ROWS:
-        own, own_peak = _cell(estimate(job, args.cache))
+        found = estimate(job, args.cache)  # once: a full-size estimate takes minutes
+        own, own_peak = _cell(found)
         theirs, theirs_peak = _cell(estimate(aitk, args.cache)) if aitk else ("no equivalent", None)
         card = published * GiB
         ratio = f"{own_peak / card:.2f}" if own_peak else "-"
         their_ratio = f"{theirs_peak / card:.2f}" if theirs_peak else "-"
-        found = estimate(job, args.cache)
         train = f"{found['phases']['train'] / GiB:.1f} GiB" if found else "-"
         print(f"| `{job}`: {words} | {published} GB | {own} | {ratio} | {theirs} | {their_ratio} | {train} |")
 

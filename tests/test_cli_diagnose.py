@@ -86,7 +86,7 @@ def test_o_writes_the_changed_job_and_leaves_the_input_alone(folder):
     (("aitk_flux_3_times_in_a_row.log", "-o", "fixed.yaml"), "-o: needs --job"),
     (("aitk_flux_3_times_in_a_row.log", "--job", "job.yaml", "-o", "."), "is a folder"),
     (("aitk_flux_3_times_in_a_row.log", "--job", "nojob.yaml"), "nojob.yaml: no such file"),
-    (("aitk_flux_3_times_in_a_row.log", "--job", "aitk_flux_dirty_card.log"), "not valid YAML"),
+    (("aitk_flux_3_times_in_a_row.log", "--job", "aitk_flux_dirty_card.log"), "not a job file fitfinder reads"),
 ])
 def test_bad_input_is_one_line_and_exit_2(folder, args, expected):
     result = run_cli("diagnose", *args, cwd=folder)

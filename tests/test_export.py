@@ -154,6 +154,26 @@ def test_jobs_round_trip_and_say_what_differs(text, repo, unmatched, tmp_path):
         assert "no equivalent: model.low_vram = true" in (tmp_path / "kohya.toml").read_text()
 
 
+@pytest.mark.parametrize("arch, name, script, own", [
+    ("flux", "black-forest-labs/FLUX.1-dev", "flux_train_network.py", {}),
+    ("chroma", "lodestones/Chroma", "flux_train_network.py", {"model_type": "chroma", "apply_t5_attn_mask": True}),
+    ("sd3", "stabilityai/stable-diffusion-3.5-large", "sd3_train_network.py", {}),
+    ("qwen_image", "Qwen/Qwen-Image", "qwen_image_train_network.py", {}),
+])
+def test_an_export_is_a_kohya_job_fitfinder_reads_and_estimates(arch, name, script, own, tmp_path):
+    from fitfinder import trainers
+    from fitfinder.probe import request as requests
+
+    text = FLUX_JOB.replace("is_flux: true", f"arch: {arch}").replace("black-forest-labs/FLUX.1-dev", name)
+    kohya.write(jobconfig.loads(text, "job.yaml"), tmp_path)
+    job = trainers.load(tmp_path / "kohya.sh")  # `$here/kohya.toml`: the files beside it
+    assert job.script.name == script and job.config_path == tmp_path / "kohya.toml"
+    assert {key: job.get(key) for key in own} == own
+    request = requests.request_for(job, 3, "sim", None)
+    assert request["rank"] == 16 and request["shapes"] == [[512, 1], [768, 1], [1024, 1]]
+    assert request["sample"]["width"] == 1024 and request["sample"]["first"] is False  # skip_first_sample
+
+
 @pytest.mark.parametrize("arch, name, task, clip", [
     ("wan21_i2v:14b480p", "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", "i2v-14B", True),
     ("wan22_14b_i2v", "ai-toolkit/Wan2.2-I2V-A14B-Diffusers-bf16", "i2v-A14B", False),

@@ -44,12 +44,13 @@ def test_knobs_speak_the_trainers_names():
     assert [k.short for k in sd.knobs] == ["gradient_checkpointing", "batch_size", "blocks_to_swap"]
     assert sd.by_name["layer_offloading"].candidates == tuple(range(35, -1, -1))  # FLUX.1: up to 35 blocks
     musubi = space.build(trainers.load(MUSUBI / "qwen_image_lora_24gb.sh"))
-    assert [k.short for k in musubi.knobs] == ["network_dim", "fp8_base", "gradient_checkpointing", "blocks_to_swap"]
+    assert [k.short for k in musubi.knobs] == ["network_dim", "fp8_base", "fp8_vl", "gradient_checkpointing",
+                                               "blocks_to_swap"]  # fp8_vl: its text caching script's switch
     assert musubi.by_name["quantize"].candidates == ("fp8", "fp8_scaled")  # never past the job's own precision
     assert musubi.by_name["layer_offloading"].candidates[0] == 59  # Qwen-Image: one fewer than its 60 blocks
     point = {**musubi.desired(), "rank": 4, "layer_offloading": 45}
-    assert musubi.describe(point) == "network_dim=4 fp8_base=fp8_base+fp8_scaled gradient_checkpointing=on " \
-                                     "blocks_to_swap=45"
+    assert musubi.describe(point) == "network_dim=4 fp8_base=fp8_base+fp8_scaled fp8_vl=off " \
+                                     "gradient_checkpointing=on blocks_to_swap=45"
 
 
 def test_a_shell_job_round_trips_with_only_the_changed_flags_differing(tmp_path):
@@ -84,7 +85,8 @@ def test_a_config_toml_job_infers_its_script_and_round_trips(tmp_path):
                       't5xxl = "t5xxl_fp16.safetensors"  # the text encoder\nae = "ae.safetensors"\n'
                       'clip_l = "clip_l.safetensors"\n\n[training]\nnetwork_module = "networks.lora_flux"\n'
                       'network_dim = 16\nnetwork_alpha = 16\noptimizer_type = "AdamW"\n'
-                      'dataset_config = "dataset.toml"\nfp8_base = true\nmy_unknown_key = "kept"\n')
+                      'dataset_config = "dataset.toml"\nmixed_precision = "bf16"\nfp8_base = true\n'
+                      'my_unknown_key = "kept"\n')
     job = trainers.load(config)
     assert (job.form, job.script.name, job.get("network_dim")) == ("toml", "flux_train_network.py", 16)
     found = space.build(job)
@@ -167,7 +169,7 @@ def test_a_flag_that_moves_memory_and_is_not_modelled_is_named(tmp_path):
     ("notes.txt", "hello world\n", "not a job file fitfinder reads"),
     ("job.toml", 'network_dim = 4\ndataset_config = "d.toml"\n', "give --script NAME"),
     ("data.toml", "[[datasets]]\nresolution = 512\n", "a dataset config"),
-    ("run.sh", "accelerate launch sdxl_train_network.py --network_dim 4\n", "does not follow yet"),
+    ("run.sh", "accelerate launch hunyuan_image_train_network.py --network_dim 4\n", "does not follow yet"),
     ("run.sh", "echo training\n", "no sd-scripts or musubi-tuner training command"),
     ("run.sh", "accelerate launch flux_train_network.py --network_dim 4 --dataset_config 'x\n", "never closed"),
 ])
@@ -191,3 +193,42 @@ def test_the_trainer_probe_writes_a_point_into_its_own_folder(tmp_path):
     back = trainers.load(folder / "job.sh")
     assert back.get("max_train_steps") == 20 and back.get("output_dir") == str(folder / "out")
     assert back.get("dataset_config") == str(folder / "job_dataset.toml")
+
+
+def test_diagnose_writes_the_first_change_into_a_copy_of_a_kohya_job_in_its_own_form(tmp_path):
+    folder = _copy(SD, tmp_path)
+    log = ROOT / "tests" / "logs" / "kohya_sdxl_step3_torch20.log"  # an OOM at step 3
+    result = run_cli("diagnose", str(log), "--job", "flux_lora_24gb.sh", "-o", "fixed.sh", "--json", cwd=folder)
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout)
+    # checkpointing is on already: batch 1, the accumulation keeping the effective batch of 2
+    assert answer["changes"] == [{"key": "datasets[0].batch_size", "old": 2, "new": 1},
+                                 {"key": "gradient_accumulation_steps", "old": 1, "new": 2}]
+    fixed = trainers.load(folder / "fixed.sh")
+    assert (fixed.get("datasets[0].batch_size"), fixed.get("gradient_accumulation_steps")) == (1, 2)
+    assert (folder / "fixed_dataset.toml").is_file() and "--dataset_config fixed_dataset.toml" in \
+        (folder / "fixed.sh").read_text()
+    assert trainers.load(folder / "flux_lora_24gb.sh").get("datasets[0].batch_size") == 2  # the input is unchanged
+
+
+def test_a_text_encoders_fp8_and_the_previews_size_are_written_where_the_trainer_reads_them(tmp_path):
+    folder = _copy(MUSUBI, tmp_path)
+    source = folder / "qwen_image_lora_24gb.sh"
+    (folder / "prompts.txt").write_text("# previews\na cat --w 1024 --h 768 --s 20\na dog --s 10\n")
+    source.write_text(source.read_text().replace("--network_dim 16", "--network_dim 16 --sample_prompts prompts.txt "
+                                                 "--sample_every_n_steps 100"))
+    job = trainers.load(source)
+    found = space.build(job)
+    assert found.by_name["text_encoder"].title == "fp8_vl"  # qwen_image_cache_text_encoder_outputs.py's switch
+    assert found.by_name["sample_size"].candidates == ("512x384", "768x576", "1024x768")
+    written = found.apply(job, {**found.desired(), "text_encoder": "fp8", "sample_size": "512x384"}).write(
+        tmp_path / "out" / "best.yaml")
+    lines = written.read_text().splitlines()
+    caching = next(i for i, line in enumerate(lines) if "qwen_image_cache_text_encoder_outputs.py" in line)
+    assert "--fp8_vl" in "".join(lines[caching:caching + 5])  # on the caching command, where it encodes
+    assert (tmp_path / "out" / "best_prompts.txt").read_text() == \
+        "# previews\na cat --w 512 --h 384 --s 20\na dog --s 10 --w 256 --h 256\n"  # 256x256: its default
+    back = trainers.load(written)
+    request = requests.request_for(back, 3, "sim", None)
+    assert request["trainer"]["weights"]["text_encoder"] == "fp8"
+    assert (request["sample"]["width"], request["sample"]["height"]) == (512, 384)

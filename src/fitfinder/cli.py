@@ -536,8 +536,10 @@ def _calibrate_study(out, name: str, storage: Optional[str], studies_dir: Path) 
 def diagnose(
     log: Path = typer.Argument(..., help="A failed run's training log (AI Toolkit, kohya, musubi, diffusers, PyTorch).",
                                show_default=False),
-    job_file: Optional[Path] = typer.Option(None, "--job", help="The run's AI Toolkit job file: exact first change."),
+    job_file: Optional[Path] = typer.Option(None, "--job", help="The run's job file (AI Toolkit YAML, a kohya shell "
+                                                                 "file or --config_file TOML): exact first change."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write the job with the first change here."),
+    script: Optional[str] = ScriptOpt,
     json_output: bool = JsonOpt,
 ) -> None:
     """Say why a run ran out of memory, when, and the first change to make (written to -o with --job)."""
@@ -545,7 +547,7 @@ def diagnose(
     from fitfinder.results.output import Output
 
     out = Output(json_output)
-    answer = diagnosing.run(log, job_file, output)
+    answer = diagnosing.run(log, job_file, output, script)
     out.result(answer.as_json())
     for line in answer.lines():
         out.line(line)

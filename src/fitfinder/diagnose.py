@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from fitfinder import jobconfig, oom
+from fitfinder import oom, trainers
 from fitfinder.errors import UserError
 from fitfinder.jobconfig import JobFile
 from fitfinder.units import format_bytes
@@ -133,7 +133,10 @@ class Settings:
 
 
 def settings_of_job(job, source: str = "job") -> Settings:
-    """Every setting the rollback looks at, with AI Toolkit's defaults for what the file leaves out."""
+    """Every setting the rollback looks at, with AI Toolkit's defaults for what the file leaves out
+    (a kohya job reads its own: fitfinder.trainers, KohyaJob.diagnose_settings)."""
+    if hasattr(job, "diagnose_settings"):
+        return Settings(source, **job.diagnose_settings())
     return Settings(
         source, batch=int(job.get("train.batch_size")), accumulation=job.accumulation,
         checkpointing=bool(job.get("train.gradient_checkpointing")), buckets=job.buckets,
@@ -574,8 +577,11 @@ def _choose_first_change(diagnosis: Diagnosis, row: Row, settings: Settings, job
         return
     first = open_levers[0]
     diagnosis.lever = first.name
-    if job is not None and first.apply(job):  # a job file, or the config AI Toolkit echoed into the log
-        diagnosis.changes = first.apply(job)
+    # A kohya job makes the change in its own options (fitfinder.trainers: KohyaJob.lever_changes).
+    changes = [] if job is None else job.lever_changes(first.name) if hasattr(job, "lever_changes") \
+        else first.apply(job)
+    if changes:  # a job file, or the config AI Toolkit echoed into the log
+        diagnosis.changes = changes
         diagnosis.first_change = f"{first.text} (" + "; ".join(
             f"{key}: {_yaml(old)} -> {_yaml(new)}" for key, old, new in diagnosis.changes) + ")"
     else:  # no job, or a change no job key makes (swap)
@@ -628,11 +634,14 @@ def _fragmented(verdict: oom.Verdict) -> bool:
 
 
 # -- the command ---------------------------------------------------------------------------------------
-def run(log_path: Path, job_path: Path | None = None, output: Path | None = None) -> Diagnosis:
-    """`fitfinder diagnose`: check the paths, read, diagnose, and write the fixed job file to `output`."""
+def run(log_path: Path, job_path: Path | None = None, output: Path | None = None,
+        script: str | None = None) -> Diagnosis:
+    """`fitfinder diagnose`: check the paths, read, diagnose, and write the fixed job file to `output`
+    (a kohya job in its own form: the shell file or config TOML `output` names, its dataset TOML
+    beside it where the change is there)."""
     _check_paths(log_path, job_path, output)
     text, cut_note = load_log(log_path)
-    job = jobconfig.load(job_path) if job_path is not None else None
+    job = trainers.load(job_path, script=script) if job_path is not None else None  # AI Toolkit's YAML, or kohya
     diagnosis = diagnose(text, job, str(log_path))
     if cut_note:
         diagnosis.notes.append(cut_note)
@@ -649,7 +658,8 @@ def run(log_path: Path, job_path: Path | None = None, output: Path | None = None
     elif output is not None:
         diagnosis.notes.append(f"nothing written to {output}: there is no change to the job file to make")
     elif diagnosis.changes:
-        diagnosis.notes.append("give -o FIXED.yaml to write the job file with this change" if job is not None else
+        suffix = job_path.suffix if job_path is not None and job_path.suffix else ".yaml"
+        diagnosis.notes.append(f"give -o FIXED{suffix} to write the job file with this change" if job is not None else
                                "give --job JOB.yaml -o FIXED.yaml to write the job file with this change")
     return diagnosis
 

@@ -60,10 +60,14 @@ def load(pipe, spec: dict, settings: dict):
             if form == "fp8":
                 cast_fp8(module)
             elif form == "fp8_scaled":
-                scale_fp8(module)
+                scale_fp8(module, **trainer.get("scaled", {}))
+        if part == "vae" and build_dtype(form, pipe.dtype) != pipe.dtype:
+            takes_its_dtype(module)
         pipe.parts[part] = module
+    for name in family.denoisers:  # every expert the trainer holds swaps the same blocks (Wan 2.2's two)
+        if name in pipe.parts:
+            swap_blocks(pipe, name, trainer.get("swapped") or {})
     for name in settings["trained"]:
-        swap_blocks(pipe, name, trainer.get("swapped") or {})
         with meter.host():
             _add_lora(pipe, name, settings)
         if not trainer.get("lora_input_cast", True):
@@ -74,11 +78,13 @@ def load(pipe, spec: dict, settings: dict):
 
 # -- fp8 ------------------------------------------------------------------------------------------
 def cast_fp8(module: torch.nn.Module) -> int:
-    """Every Linear weight and bias in float8_e4m3fn (the rest keeps its dtype); T5's gated MLP
+    """Every Linear and convolution weight and bias in float8_e4m3fn (the rest keeps its dtype: the
+    trainers cast whole models, `unet.to(dtype=torch.float8_e4m3fn)`, and autocast upcasts a conv's
+    weight for its op as a Linear's; a norm's scale stays, see the module docstring); T5's gated MLP
     called without its cast to wo's dtype (sd-scripts flux_train_network.py prepare_text_encoder_fp8)."""
     count = 0
     for child in module.modules():
-        if isinstance(child, torch.nn.Linear):
+        if isinstance(child, (torch.nn.Linear, torch.nn.modules.conv._ConvNd)):
             for param in (child.weight, child.bias):
                 if param is not None and param.dtype.is_floating_point:
                     param.data = param.data.to(FP8)
@@ -94,11 +100,13 @@ def _t5_gated_forward(self, hidden_states):
     return self.wo(hidden_states)
 
 
-def scale_fp8(module: torch.nn.Module) -> int:
-    """musubi-tuner's scaled fp8 on the transformer blocks' Linear weights (see the module docstring)."""
+def scale_fp8(module: torch.nn.Module, targets=_SCALED_TARGETS, excluded=_SCALED_EXCLUDED) -> int:
+    """musubi-tuner's scaled fp8 on the Linear weights of the modules whose names hold a target and no
+    excluded word (each model's FP8_OPTIMIZATION_TARGET_KEYS and EXCLUDE_KEYS; Qwen-Image's by
+    default); see the module docstring."""
     count = 0
     for name, child in module.named_modules():
-        targeted = any(t in name for t in _SCALED_TARGETS) and not any(e in name for e in _SCALED_EXCLUDED)
+        targeted = any(t in name for t in targets) and not any(e in name for e in excluded)
         if targeted and isinstance(child, torch.nn.Linear):
             _scaled(child)
             count += 1
@@ -131,6 +139,16 @@ def _scaled_forward(self, x):
     return torch.nn.functional.linear(x, weight, self.bias)
 
 
+def takes_its_dtype(vae: torch.nn.Module) -> None:
+    """A VAE in its own dtype (sd-scripts' --no_half_vae: fp32; musubi-tuner's --vae_dtype) gets its
+    input in that dtype, as the trainers cast the images and latents they hand it (train_network.py:
+    `images.to(device, dtype=vae_dtype)`; the caching passes use `vae.dtype`)."""
+    dtype = next(vae.parameters()).dtype
+    for name in ("encode", "decode"):
+        method = getattr(vae, name)
+        setattr(vae, name, lambda x, *args, _method=method, **kwargs: _method(x.to(dtype), *args, **kwargs))
+
+
 # -- the LoRA ---------------------------------------------------------------------------------------
 def keep_lora_input(denoiser: torch.nn.Module) -> None:
     """kohya's LoRA modules take a layer's input as it comes (networks/lora_flux.py and musubi-tuner's
@@ -155,8 +173,8 @@ def swap_blocks(pipe, part: str, swapped: dict[str, int]) -> int:
                     if meter.kind == "cuda":
                         param = torch.nn.Parameter(param.detach().to("cpu"), requires_grad=False)
                         layer._parameters["weight"] = param
-                    else:
-                        meter.release(param)
+                    else:  # used in place by its layer: no view of it may count it again
+                        meter.hold_in_host(param)
                     param._is_memory_managed = True  # the meters count it as host memory (meter.tensors_of)
                     held.append(layer)
             if meter.kind == "cuda":

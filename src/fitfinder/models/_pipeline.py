@@ -146,7 +146,9 @@ def _add_lora(pipe: Pipeline, name: str, settings: dict) -> None:
     denoiser = pipe.parts[name]
     torch.manual_seed(settings.get("seed", 0))
     conv_rank = settings.get("conv_rank")
-    targets, conv_targets = lora_targets(denoiser, pipe.family.lora_blocks, pipe.family.lora_convs, conv_rank)
+    own = settings.get("trainer") or {}  # a kohya trainer's LoRA targets its own modules (trainers/)
+    targets, conv_targets = lora_targets(denoiser, own.get("lora_blocks", pipe.family.lora_blocks),
+                                         own.get("lora_convs", pipe.family.lora_convs), conv_rank)
     # network.network_kwargs.ignore_if_contains: AI Toolkit skips every layer whose name holds one
     # (toolkit/lora_special.py, LoRASpecialNetwork.create_modules; HiDream's example leaves the MoE out).
     ignored = settings.get("lora_ignore") or []

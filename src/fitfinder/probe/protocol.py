@@ -50,6 +50,10 @@ class TrainerRecipe(TypedDict):
     lora_input_cast: bool  # peft's cast of a layer's input to the adapter's dtype (kohya's LoRA has none)
     text_batch: int  # captions per step of the text encoders' caching pass
     latent_batch: int  # images per step of the latents' caching pass
+    lora_blocks: NotRequired[str]  # the trainer's LoRA targets (a regex of module names), where not the family's
+    lora_convs: NotRequired[bool]  # ... and whether its 1x1 convolutions are among them
+    scaled: NotRequired[dict[str, list[str]]]  # scaled fp8's targets and excluded module names (musubi's per model)
+    previews_by: NotRequired[str]  # the one denoiser a preview runs (musubi's Wan 2.2: its low-noise model)
 
 
 class ProbeRequest(TypedDict):

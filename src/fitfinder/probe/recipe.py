@@ -325,10 +325,12 @@ def _tiled(vae, tiled: bool):
 
 
 def _expert(pipe, level: float) -> str:
-    """The denoiser for a noise level: Wan 2.2's high-noise expert above the boundary, else the other."""
+    """The denoiser for a noise level: Wan 2.2's high-noise expert above the boundary, else the other
+    (a kohya trainer's previews may run one of them at every level: its recipe's `previews_by`)."""
     denoisers = pipe.family.denoisers
-    if len(denoisers) == 1:
-        return denoisers[0]
+    own = (pipe.settings.get("trainer") or {}).get("previews_by")
+    if len(denoisers) == 1 or own:
+        return own or denoisers[0]
     return denoisers[0] if level >= pipe.arch.get("boundary_ratio", 0.875) else denoisers[1]
 
 

@@ -1,7 +1,10 @@
 """kohya's trainers: the winning AI Toolkit job written as sd-scripts / musubi-tuner settings, and read back.
 
-sd-scripts trains the image families (flux, sdxl); musubi-tuner the video ones (wan). What is
-written, in results/NAME/:
+The script a family trains with, its options and their limits are the trainers' own
+(fitfinder.trainers: sd_scripts.py and musubi_tuner.py, each Script with its parser, its model's files,
+its block swap); this module maps AI Toolkit's settings onto them, and the trainers' writer writes the
+job (`_kohya.new_job_texts`), which fitfinder reads back as any kohya job (`trainers.load`: the export
+is a job `fitfinder estimate results/NAME/kohya.sh` takes). What is written, in results/NAME/:
 
 - `kohya.toml`: the training arguments, for `--config_file`. Both trainers flatten its
   sections into one namespace, so the sections are only for the reader's eyes.
@@ -14,90 +17,101 @@ written, in results/NAME/:
 
 Every setting is reported as `exact`, `approximate` (written, but not the same thing: the fit
 was not proven for it) or `none` (kohya has no equivalent, nothing written). The option names
-are those of sd-scripts' train_util/config_util and musubi-tuner's parser_common/config_utils.
+are those of the scripts' parsers (trainers/_sd_scripts_options.py, _musubi_options.py).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fitfinder import jobconfig, models
+from fitfinder import jobconfig, models, trainers
 from fitfinder.errors import UserError
 from fitfinder.jobconfig import JobFile, one_line, write_atomic
+from fitfinder.trainers import _kohya, musubi_tuner, sd_scripts
 
 FILES = ("kohya.toml", "kohya_dataset.toml", "kohya_prompts.txt", "kohya.sh")
 
 
 @dataclass(frozen=True)
 class Trainer:
+    """The kohya script that trains a job's family, as the trainers' modules declare it."""
+
+    module: Any  # fitfinder.trainers.sd_scripts or musubi_tuner
+    spec: Any  # its Script
+    own: dict  # the script's options that name the model (--task, --model_version, --model_type)
     family: str
-    repo: str  # sd-scripts | musubi-tuner
-    script: str
-    network_module: str
-    model_files: tuple[tuple[str, str, str], ...]  # (option, environment variable, what file)
-    max_blocks_to_swap: int | None = None
-    guidance_flag: str = "--l"  # prompt-file option AI Toolkit's guidance_scale becomes
-    cache_scripts: tuple[str, ...] = ()  # musubi-tuner caches latents and text before training
+    arch: dict  # the family's architecture (the job's shipped one, else the script's default)
+
+    @property
+    def repo(self) -> str:
+        return self.module.REPO
 
     @property
     def musubi(self) -> bool:
         return self.repo == "musubi-tuner"
 
+    @property
+    def script(self) -> str:
+        """The script as kohya.sh runs it (musubi-tuner's under src/musubi_tuner/)."""
+        return f"src/musubi_tuner/{self.spec.name}" if self.musubi else self.spec.name
 
-_FLUX = Trainer(
-    "flux", "sd-scripts", "flux_train_network.py", "networks.lora_flux",
-    (("pretrained_model_name_or_path", "FLUX_MODEL", "the FLUX.1 transformer .safetensors (flux1-dev.safetensors)"),
-     ("clip_l", "CLIP_L", "clip_l.safetensors"), ("t5xxl", "T5XXL", "t5xxl_fp16.safetensors"),
-     ("ae", "AE", "ae.safetensors")),
-    max_blocks_to_swap=35, guidance_flag="--g",  # FLUX.1-dev embeds guidance: `--g`, not CFG
-)
-_SDXL = Trainer(
-    "sdxl", "sd-scripts", "sdxl_train_network.py", "networks.lora",
-    (("pretrained_model_name_or_path", "SDXL_MODEL", "the SDXL checkpoint .safetensors"),),
-)
+    @property
+    def network_module(self) -> str:
+        return self.spec.network_module
 
+    @property
+    def model_files(self) -> tuple[tuple[str, str, str], ...]:
+        return self.module.model_files(self.spec, self.own)
 
-# musubi-tuner's documented maximum of --blocks_to_swap for each Wan size.
-_WAN_MAX_SWAP = {"1.3B": 29, "14B": 39}
+    @property
+    def max_blocks_to_swap(self) -> int | None:
+        most = self.spec.most_swapped
+        return most(self.arch) if most else None
 
+    @property
+    def guidance_flag(self) -> str:
+        """The prompt-file option AI Toolkit's guidance_scale becomes: `--g` for an embedded guidance
+        (FLUX.1, Kontext, FLUX.2), else `--l`, the CFG scale."""
+        previews = self.spec.previews(str(self.own.get("task", ""))) if self.musubi else self.spec.previews
+        return f"--{previews.guidance_key}"
 
-def _wan(task: str) -> Trainer:
-    swap = _WAN_MAX_SWAP["1.3B" if "1.3B" in task else "14B"]
-    files = [("dit", "WAN_DIT", "the Wan DiT .safetensors (low-noise one for Wan 2.2)"),
-             ("vae", "WAN_VAE", "Wan2.1_VAE.pth"), ("t5", "WAN_T5", "models_t5_umt5-xxl-enc-bf16.pth")]
-    if "A14B" in task:
-        files.insert(1, ("dit_high_noise", "WAN_DIT_HIGH_NOISE", "the Wan 2.2 high-noise DiT .safetensors"))
-    if task == "i2v-14B":  # Wan 2.1 I2V conditions on a CLIP image encoder
-        files.append(("clip", "WAN_CLIP", "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth"))
-    return Trainer("wan", "musubi-tuner", "src/musubi_tuner/wan_train_network.py", "networks.lora_wan",
-                   tuple(files), max_blocks_to_swap=swap,
-                   cache_scripts=("src/musubi_tuner/wan_cache_latents.py",
-                                  "src/musubi_tuner/wan_cache_text_encoder_outputs.py"))
+    def takes(self, option: str) -> bool:
+        return option in self.spec.options
 
 
 def trainer_for(job: JobFile) -> tuple[Trainer, dict[str, Any]]:
     """The kohya trainer for the job's model family (models.family_of, the family the search probed),
-    and trainer-specific arguments (wan's task: the variant, read from model.arch and the name)."""
+    and the script's own arguments for the model (Wan's task, read from model.arch and the name)."""
     family = models.family_of(job)
-    if family == "flux":
-        return _FLUX, {}
-    if family == "sdxl":
-        return _SDXL, {}
-    # musubi-tuner's Wan tasks (wan_train_network.py --task); its TI2V-5B training is not one of them.
-    tasks = {"wan22": "t2v-A14B", "wan22_i2v": "i2v-A14B", "wan21_i2v": "i2v-14B"}
-    if family == "wan21":
-        arch = str(job.get("model.arch", "") or "").lower()
-        name = str(job.get("model.name_or_path", "") or "").lower()
-        tasks["wan21"] = "t2v-1.3B" if "1.3b" in name or "1b" in arch else "t2v-14B"
-    if family in tasks:
-        return _wan(tasks[family]), {"task": tasks[family]}
-    raise UserError(f"kohya export: no kohya trainer known for the {family} family; "
-                    "supported: flux and sdxl (sd-scripts), wan21, wan21_i2v, wan22 and wan22_i2v (musubi-tuner)")
+    found = next(((module, *pair) for module in (sd_scripts, musubi_tuner)
+                  for pair in [module.for_family(family)] if pair), None)
+    if found is None:
+        followed = sorted({*sd_scripts.FAMILIES, *musubi_tuner.FAMILIES})
+        raise UserError(f"kohya export: no kohya trainer known for the {family} family; supported: "
+                        f"{', '.join(followed)} (sd-scripts and musubi-tuner)")
+    module, spec, own = found
+    name = str(job.get("model.name_or_path", "") or "").lower()
+    arch_value = str(job.get("model.arch", "") or "").lower()
+    if family == "wan21" and ("1.3b" in name or "1b" in arch_value):
+        own["task"] = "t2v-1.3B"
+    if family == "flux2_klein" and "4b" in name:
+        own["model_version"] = "klein-4b"
+    try:
+        arch = models.shipped_arch(job, family)[1]
+    except UserError:  # no shipped architecture by that name: the script's own default
+        arch = models.known_archs()[_default_arch(spec, own)]
+    return Trainer(module, spec, own, family, arch), dict(own)
+
+
+def _default_arch(spec: Any, own: dict) -> str:
+    if hasattr(spec, "default_arch"):
+        return spec.default_arch
+    probe = _kohya.KohyaJob(trainer=musubi_tuner, script=spec, source="export", form="toml", config=dict(own))
+    return spec.model(probe)[1]
 
 
 @dataclass
@@ -141,17 +155,22 @@ def write(job: JobFile, out_dir: Path) -> Export:
     header += [f"not the same: {r.setting} = {_show(r.value)} -> {r.kohya} ({r.note})" for r in rows
                if r.kind == "approximate"]
     header += [f"no equivalent: {r.setting} = {_show(r.value)} ({r.note})" for r in rows if r.kind == "none"]
-    files = [out_dir / "kohya.toml", out_dir / "kohya_dataset.toml"]
-    write_atomic(files[0], _toml(args, header))
-    write_atomic(files[1], _toml(datasets, [f"Dataset config for {trainer.script}, written by fitfinder."]))
-    prompts_path = out_dir / "kohya_prompts.txt"
-    if prompts:
-        write_atomic(prompts_path, "\n".join(prompts) + "\n")
-        files.append(prompts_path)
-    else:
-        prompts_path.unlink(missing_ok=True)  # a stale one from an earlier export would be read back
-    files.append(out_dir / "kohya.sh")
-    write_atomic(files[-1], _command(job, trainer, extra, bool(prompts), dtype), mode=0o777)
+    source, name = one_line(job.source), one_line(job.name)
+    comments = [f"{trainer.repo}: train the LoRA fitfinder found for {source} (config {name}).",
+                f"Run from your {trainer.repo} checkout; set these to the model files first:"]
+    comments += [f"  {env}: {what}" for _, env, what in trainer.model_files]
+    comments.append(f"(the AI Toolkit job used {one_line(job.get('model.name_or_path', '') or '-')})")
+    new = _kohya.NewJob(trainer.module, trainer.spec, trainer.own, args, datasets, prompts, header, comments,
+                        _PRECISION[dtype], text_fp8=bool(job.quantize_te) and trainer.musubi)
+    texts = _kohya.new_job_texts(new, stem="kohya")
+    files = []
+    for file_name in FILES:
+        path = out_dir / file_name
+        if file_name in texts:
+            write_atomic(path, texts[file_name], mode=0o777 if file_name.endswith(".sh") else 0o666)
+            files.append(path)
+        else:
+            path.unlink(missing_ok=True)  # a stale prompt file from an earlier export would be read back
     return Export(trainer, files, rows)
 
 
@@ -170,6 +189,10 @@ def _training_args(job: JobFile, trainer: Trainer, extra: dict, rows: list[Mappi
         "" if network_type == "lora" else "kohya's LyCORIS module is a separate install; a plain LoRA is written")
     row("network.linear", rank, "network_dim")
     row("network.linear_alpha", int(alpha) if alpha.is_integer() else alpha, "network_alpha")
+    if trainer.takes("network_train_unet_only"):  # sd-scripts trains the text encoders' LoRA unless told not to
+        text_too = bool(job.get("train.train_text_encoder", False))
+        network["network_train_unet_only"] = not text_too
+        row("train.train_text_encoder", text_too, f"network_train_unet_only = {str(not text_too).lower()}")
 
     batch = int(job.get("train.batch_size"))
     dtype = jobconfig.DTYPES[str(job.get("train.dtype")).lower()]
@@ -179,10 +202,10 @@ def _training_args(job: JobFile, trainer: Trainer, extra: dict, rows: list[Mappi
                 "gradient_accumulation_steps": job.accumulation,
                 "gradient_checkpointing": bool(job.get("train.gradient_checkpointing")),
                 "mixed_precision": _PRECISION[dtype], "sdpa": True}
-    if not trainer.musubi:  # musubi-tuner takes the batch from the dataset config only
+    if trainer.takes("train_batch_size"):  # musubi-tuner takes the batch from the dataset config only
         training = {"train_batch_size": batch, **training}
     row("train.batch_size", batch, "batch_size in kohya_dataset.toml"
-        + ("" if trainer.musubi else " (and train_batch_size)"))
+        + (" (and train_batch_size)" if trainer.takes("train_batch_size") else ""))
     row(job.accumulation_key, job.accumulation, "gradient_accumulation_steps")
     row("train.gradient_checkpointing", training["gradient_checkpointing"], "gradient_checkpointing")
     row("train.dtype", dtype, f"mixed_precision = {_PRECISION[dtype]}")
@@ -195,12 +218,12 @@ def _training_args(job: JobFile, trainer: Trainer, extra: dict, rows: list[Mappi
     memory = _memory_args(job, trainer, row)
     sampling = _sampling_args(job, row)
     saving = {"output_dir": str(job.get("training_folder", "output")), "output_name": job.name}
-    if not trainer.musubi:  # musubi-tuner always saves safetensors and refuses unknown options
+    if trainer.takes("save_model_as"):  # musubi-tuner always saves safetensors and refuses unknown options
         saving["save_model_as"] = "safetensors"
     if job.has("save.save_every"):
         saving["save_every_n_steps"] = int(job.get("save.save_every"))
     save_dtype = jobconfig.DTYPES.get(str(job.get("save.dtype", "") or "").lower())
-    if save_dtype and not trainer.musubi:
+    if save_dtype and trainer.takes("save_precision"):
         saving["save_precision"] = _SAVE_PRECISION[save_dtype]
     return {"model": extra, "network": network, "training": training, "memory": memory, "sampling": sampling,
             "saving": saving}
@@ -212,7 +235,7 @@ def _memory_args(job: JobFile, trainer: Trainer, row) -> dict[str, Any]:
     quantize, quantize_te, qtype = job.quantize, job.quantize_te, job.qtype
     if quantize:
         exact = bool(_FP8.match(qtype))
-        if trainer.family == "flux" and not quantize_te:
+        if not trainer.musubi and not quantize_te:  # sd-scripts: fp8_base also casts the text encoders
             memory["fp8_base_unet"] = True
             where = "fp8_base_unet (transformer only)"
         else:
@@ -224,10 +247,10 @@ def _memory_args(job: JobFile, trainer: Trainer, row) -> dict[str, Any]:
     else:
         row("model.quantize", False, "fp8_base not set")
     if quantize_te:
-        if trainer.family == "flux" and quantize:
-            row("model.quantize_te", True, "fp8_base (covers CLIP-L and T5-XXL)")
+        if not trainer.musubi and quantize:
+            row("model.quantize_te", True, "fp8_base (covers the text encoders)")
         elif trainer.musubi:
-            row("model.quantize_te", True, "--fp8_t5 when caching text encoder outputs")
+            row("model.quantize_te", True, f"--{trainer.spec.text_fp8} when caching text encoder outputs")
         else:
             row("model.quantize_te", True, "-", "none", "no fp8 text encoder alone; its outputs are cached instead")
     if job.get("model.layer_offloading", False):
@@ -247,9 +270,14 @@ def _memory_args(job: JobFile, trainer: Trainer, row) -> dict[str, Any]:
         row("train.cache_text_embeddings", cache_te, "always cached before training (kohya.sh)",
             "exact" if cache_te else "approximate", "" if cache_te else "musubi-tuner always caches them")
         row("datasets[*].cache_latents", True, "always cached before training (kohya.sh)")
-    else:
-        memory["cache_text_encoder_outputs"] = cache_te
-        row("train.cache_text_embeddings", bool(job.get("train.cache_text_embeddings")), "cache_text_encoder_outputs")
+    elif not trainer.takes("cache_text_encoder_outputs"):  # train_network.py (SD 1.x) encodes every step
+        row("train.cache_text_embeddings", cache_te, "-", "exact" if not cache_te else "none",
+            "" if not cache_te else f"{trainer.script} has no text encoder caching")
+    if not trainer.musubi:
+        if trainer.takes("cache_text_encoder_outputs"):
+            memory["cache_text_encoder_outputs"] = cache_te
+            row("train.cache_text_embeddings", bool(job.get("train.cache_text_embeddings")),
+                "cache_text_encoder_outputs")
         if job.get("train.unload_text_encoder"):
             row("train.unload_text_encoder", True, "cache_text_encoder_outputs", "approximate",
                 "kohya frees the text encoders after caching every caption, not one trigger embedding")
@@ -356,83 +384,45 @@ def _dataset_config(job: JobFile, trainer: Trainer, rows: list[Mapping]) -> dict
     return {"general": general, "datasets": datasets}
 
 
-def _command(job: JobFile, trainer: Trainer, extra: dict, prompts: bool, dtype: str) -> str:
-    """kohya.sh. Every value in a command is shlex-quoted and every text from the job in a comment
-    is one line (a newline in config.name would otherwise start a command of its own)."""
-    q = shlex.quote
-    source, name = one_line(job.source), one_line(job.name)
-    lines = ["#!/usr/bin/env bash",
-             f"# {trainer.repo}: train the LoRA fitfinder found for {source} (config {name}).",
-             f"# Run from your {trainer.repo} checkout; set these to the model files first:"]
-    lines += [f"#   {env}: {what}" for _, env, what in trainer.model_files]
-    lines += [f"# (the AI Toolkit job used {one_line(job.get('model.name_or_path', '') or '-')})",
-              "set -euo pipefail", 'here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"']
-    lines += [f': "${{{env}:?set {env} to {what}}}"' for _, env, what in trainer.model_files]
-    dataset = '--dataset_config "$here/kohya_dataset.toml"'
-    files = {option: f'"${env}"' for option, env, _ in trainer.model_files}
-    for script in trainer.cache_scripts:  # musubi-tuner: latents and text outputs are cached first
-        if "latents" in script:
-            lines.append(f'python {q(script)} {dataset} --vae {files["vae"]}')
-        else:
-            fp8 = " --fp8_t5" if job.quantize_te else ""
-            lines.append(f'python {q(script)} {dataset} --t5 {files["t5"]}{fp8}')
-    launch = [f"accelerate launch --num_cpu_threads_per_process 1 --mixed_precision {q(_PRECISION[dtype])} "
-              f"{q(trainer.script)}", '--config_file "$here/kohya.toml"', dataset]
-    launch += [f"--{option} {value}" for option, value in files.items()]
-    if prompts:
-        launch.append('--sample_prompts "$here/kohya_prompts.txt"')
-    lines.append(" \\\n  ".join(launch))
-    return "\n".join(lines) + "\n"
-
-
 # -- reading back ---------------------------------------------------------------------------------
 def read(out_dir: Path) -> dict[str, Any]:
-    """The AI Toolkit settings a kohya export in `out_dir` stands for, by AI Toolkit key."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
-
+    """The AI Toolkit settings a kohya export in `out_dir` stands for, by AI Toolkit key: kohya.sh read
+    as any kohya job (trainers.load: its --config_file and --dataset_config beside it, each option the
+    command line's, else the config's, else the parser's default)."""
     out_dir = Path(out_dir)
-    try:
-        args_file = tomllib.loads((out_dir / "kohya.toml").read_text(encoding="utf-8"))
-        data = tomllib.loads((out_dir / "kohya_dataset.toml").read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise UserError(f"{exc.filename}: missing; run `fitfinder export NAME --format kohya` first") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"{out_dir}: not valid TOML: {exc}") from None
-    args: dict[str, Any] = {}
-    for value in args_file.values():  # sections flattened, as the trainers read them
-        args.update(value if isinstance(value, dict) else {})
+    for name in ("kohya.sh", "kohya.toml", "kohya_dataset.toml"):
+        if not (out_dir / name).is_file():
+            raise UserError(f"{out_dir / name}: missing; run `fitfinder export NAME --format kohya` first")
+    job = trainers.load(out_dir / "kohya.sh")
+    batch = job.get("datasets[0].batch_size")
     settings: dict[str, Any] = {
-        "network.linear": args["network_dim"],
-        "network.linear_alpha": args["network_alpha"],
-        "train.batch_size": data["general"]["batch_size"],
-        "train.gradient_accumulation_steps": args.get("gradient_accumulation_steps", 1),
-        "train.gradient_checkpointing": bool(args.get("gradient_checkpointing", False)),
-        "train.dtype": {v: k for k, v in _PRECISION.items()}[args.get("mixed_precision", "no")],
-        "train.optimizer": {v: k for k, v in _OPTIMIZERS.items()}.get(args.get("optimizer_type"),
-                                                                       str(args.get("optimizer_type")).lower()),
-        "train.lr": args["learning_rate"],
-        "train.steps": args["max_train_steps"],
-        "model.quantize": bool(args.get("fp8_base") or args.get("fp8_base_unet")),
+        "network.linear": job.get("network_dim"),
+        "network.linear_alpha": job.get("network_alpha"),
+        "train.batch_size": batch,
+        "train.gradient_accumulation_steps": job.accumulation,
+        "train.gradient_checkpointing": bool(job.get("gradient_checkpointing")),
+        "train.dtype": {v: k for k, v in _PRECISION.items()}[str(job.get("mixed_precision") or "no")],
+        "train.optimizer": {v: k for k, v in _OPTIMIZERS.items()}.get(job.get("optimizer_type"),
+                                                                       str(job.get("optimizer_type")).lower()),
+        "train.lr": job.get("learning_rate"),
+        "train.steps": job.get("max_train_steps"),
+        "model.quantize": bool(job.get("fp8_base") or job.get("fp8_base_unet")),
     }
-    if "train_batch_size" in args and args["train_batch_size"] != settings["train.batch_size"]:
-        raise UserError(f"{out_dir}: train_batch_size {args['train_batch_size']} disagrees with the "
-                        f"dataset's batch_size {settings['train.batch_size']}")
-    if args.get("network_module") == _FLUX.network_module:  # sd-scripts' fp8 for FLUX covers the text encoders
-        settings["model.quantize_te"] = bool(args.get("fp8_base"))
-    if args.get("blocks_to_swap"):
-        most = (_FLUX.max_blocks_to_swap if args.get("network_module") == _FLUX.network_module
-                else _WAN_MAX_SWAP["1.3B" if "1.3B" in str(args.get("task")) else "14B"])
+    if job.has("train_batch_size") and job.get("train_batch_size") != batch:
+        raise UserError(f"{out_dir}: train_batch_size {job.get('train_batch_size')} disagrees with the "
+                        f"dataset's batch_size {batch}")
+    if job.trainer is sd_scripts:  # sd-scripts' fp8_base covers the text encoders, fp8_base_unet does not
+        settings["model.quantize_te"] = bool(job.get("fp8_base")) and not job.get("fp8_base_unet")
+    if job.get("blocks_to_swap"):
+        most = job.trainer.max_blocks_to_swap(job, job.architecture_spec()["arch"])
         settings["model.layer_offloading"] = True
-        settings["model.layer_offloading_transformer_percent"] = round(args["blocks_to_swap"] / most, 2)
-    if "cache_text_encoder_outputs" in args:
-        settings["train.cache_text_embeddings"] = bool(args["cache_text_encoder_outputs"])
-    if "cache_latents_to_disk" in args:
-        settings["datasets[*].cache_latents_to_disk"] = bool(args["cache_latents_to_disk"])
-    settings.update(_read_datasets(data["datasets"]))
-    settings.update(_read_sampling(args, out_dir / "kohya_prompts.txt"))
+        settings["model.layer_offloading_transformer_percent"] = round(job.get("blocks_to_swap") / most, 2)
+    if job.has("cache_text_encoder_outputs"):
+        settings["train.cache_text_embeddings"] = bool(job.get("cache_text_encoder_outputs"))
+    if job.has("cache_latents_to_disk"):
+        settings["datasets[*].cache_latents_to_disk"] = bool(job.get("cache_latents_to_disk"))
+    settings.update(_read_datasets(job.datasets))
+    settings.update(_read_sampling(job))
     return settings
 
 
@@ -460,8 +450,9 @@ def _read_datasets(datasets: list[dict]) -> dict[str, Any]:
 _OPTION = re.compile(r"\s--(\w+)\s+((?:(?!\s--\w+\s).)*)")
 
 
-def _read_sampling(args: dict[str, Any], prompts_path: Path) -> dict[str, Any]:
-    if "sample_every_n_steps" not in args or not prompts_path.exists():
+def _read_sampling(job: _kohya.KohyaJob) -> dict[str, Any]:
+    prompts_path = _kohya.resolve(job, job.get("sample_prompts"))
+    if not job.get("sample_every_n_steps") or prompts_path is None or not prompts_path.exists():
         return {"train.disable_sampling": True}
     prompts, options = [], []
     for line in prompts_path.read_text(encoding="utf-8").splitlines():
@@ -472,21 +463,13 @@ def _read_sampling(args: dict[str, Any], prompts_path: Path) -> dict[str, Any]:
     opts = options[0]
     guidance = opts.get("g", opts.get("l"))
     seeds = [int(o["d"]) for o in options]
-    return {"train.disable_sampling": False, "sample.sample_every": args["sample_every_n_steps"],
-            "train.skip_first_sample": not args.get("sample_at_first", False), "sample.prompts": prompts,
+    return {"train.disable_sampling": False, "sample.sample_every": job.get("sample_every_n_steps"),
+            "train.skip_first_sample": not job.get("sample_at_first"), "sample.prompts": prompts,
             "sample.width": int(opts["w"]), "sample.height": int(opts["h"]),
             "sample.sample_steps": int(opts["s"]), "sample.seed": seeds[0],
             "sample.walk_seed": len(seeds) > 1 and seeds == list(range(seeds[0], seeds[0] + len(seeds))),
             "sample.guidance_scale": float(guidance) if guidance is not None else None,
             **({"sample.num_frames": int(opts["f"])} if "f" in opts else {})}
-
-
-# -- TOML, written by a TOML library: a newline or quote in a value stays inside its string ---------
-def _toml(sections: dict[str, Any], header: list[str]) -> str:
-    import tomli_w
-
-    body = {name: content for name, content in sections.items() if content}  # no empty [model] table
-    return "".join(f"# {one_line(line, 1000)}\n" for line in header) + "\n" + tomli_w.dumps(body)
 
 
 def _round_to(value: int, step: int) -> int:

@@ -59,8 +59,14 @@ def _text(path: Path) -> str:
 
 
 def _names_a_script(text: str) -> bool:
-    return any(word.endswith(("_train_network.py", "_train.py")) or ".train_network" in word
-               for word in text.split())
+    return any(_is_training_script(word) for word in text.split())
+
+
+def _is_training_script(word: str) -> bool:
+    """A kohya training script: NAME_train_network.py, sd-scripts' own train_network.py (SD 1.x),
+    NAME_train.py, or musubi-tuner's module form (`-m musubi_tuner.wan_train_network`)."""
+    return (word.endswith(("_train_network.py", "_train.py")) or Path(word).name == "train_network.py"
+            or ".train_network" in word or word.startswith("musubi_tuner.") and "train" in word)
 
 
 def script_of(name: str) -> tuple[Any, Any]:
@@ -85,9 +91,7 @@ def _followed() -> list[str]:
 def _training_command(commands: list[_shell.Command]) -> tuple[_shell.Command, int]:
     for command in commands:
         for index, word in enumerate(command.words):
-            text = word.text
-            if text.endswith("_train_network.py") or text.endswith("_train.py") or ".train_network" in text \
-                    or text.startswith("musubi_tuner.") and "train" in text:
+            if _is_training_script(word.text) and "cache" not in word.text:
                 return command, index
     raise UserError("no training command (a *_train_network.py script) in the shell file")
 
@@ -105,7 +109,8 @@ def _from_shell(path: Path, text: str, arch: str | None) -> KohyaJob:
                    command=command, script_index=index, arch=arch,
                    line_flags={name: (first + index + 1, end + index + 1, value)
                                for name, (first, end, value) in flags.items()},
-                   launcher=_kohya.launcher_options(list(command.words[:index])))
+                   launcher=_kohya.launcher_options(list(command.words[:index])),
+                   folder_vars=_kohya.folder_variables(text))
     job.caching = _caching_commands(commands, trainer, script, str(path))
     config = job.get("config_file")
     if config:
@@ -120,13 +125,15 @@ def _caching_commands(commands, trainer, script, source: str) -> list[dict]:
     found = []
     for command in commands:
         for index, word in enumerate(command.words):
-            if Path(word.text).name in getattr(script, "cache_scripts", ()):
+            if Path(word.text).name in script.cache_scripts:
                 words = [w for w in command.words[index + 1:]]
-                flags = _kohya.parse_flags(words, trainer.CACHE_OPTIONS, source)
+                flags = _kohya.parse_flags(words, script.cache_scripts[Path(word.text).name], source)
                 dataset = flags.get("dataset_config")
                 found.append({"script": Path(word.text).name, "flags": {k: v for k, (_, _, v) in flags.items()},
                               "dataset_word": words[dataset[0] + 1] if dataset and dataset[1] > dataset[0] + 1
-                              else None})
+                              else None,
+                              # where each flag's words are, so a change to one is made where it stands
+                              "words": words, "spans": {k: (first, end) for k, (first, end, _) in flags.items()}})
     return found
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -80,6 +81,7 @@ class KohyaJob:
     changes: dict[str, Any] = field(default_factory=dict)
     settings: Settings = field(default_factory=Settings)
     arch: str | None = None  # --arch: a shipped architecture instead of the checkpoint's
+    folder_vars: frozenset = frozenset()  # shell variables the file sets to its own folder (`here=$(dirname $0)`)
     notes: list[str] = field(default_factory=list)  # what the output says about the job (not modelled, ...)
 
     # -- reading ---------------------------------------------------------------------------
@@ -151,6 +153,12 @@ class KohyaJob:
     def knob_specs(self) -> list[KnobSpec]:
         return self.trainer.knob_specs(self)
 
+    def diagnose_settings(self) -> dict[str, Any]:
+        return diagnose_settings(self)
+
+    def lever_changes(self, lever: str) -> list[tuple[str, Any, Any]]:
+        return lever_changes(self, lever)
+
     def probe_request(self, **run) -> dict:
         return self.trainer.probe_request(self, **run)
 
@@ -179,7 +187,8 @@ class KohyaJob:
         best_dataset.toml); refuses to write over an input file. Returns the main file."""
         path = Path(path)
         texts = self.files(path.stem, header, dest=path.parent)
-        inputs = {Path(p).resolve() for p in (self.source, self.config_path, self.dataset_path) if p}
+        inputs = {Path(p).resolve() for p in (self.source, self.config_path, self.dataset_path,
+                                              resolve(self, self.get("sample_prompts"))) if p}
         for name in texts:
             if (path.parent / name).resolve() in inputs:
                 raise UserError(f"{path.parent / name}: refusing to write over an input file of the job")
@@ -264,9 +273,26 @@ def read_text(path: Path, what: str) -> str:
         raise UserError(f"{path}: not UTF-8 text; save the job's {what} as UTF-8") from None
 
 
+# A shell variable set to the script's own folder: `here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"`,
+# `DIR=$(dirname "$0")` and their like (what fitfinder's own kohya.sh writes).
+_FOLDER_VAR = re.compile(r"""^\s*(?:export\s+|local\s+)?([A-Za-z_]\w*)=["']?\$\((?:\s*cd\s+["']?\$\()?\s*dirname\s+"""
+                         r"""["']?\$\{?(?:BASH_SOURCE(?:\[0\])?|0)\}?["']?\s*\)""", re.MULTILINE)
+
+
+def folder_variables(text: str) -> frozenset:
+    """The variables a shell text sets to its own folder (so `"$here/kohya.toml"` is a path beside it)."""
+    return frozenset(match.group(1) for match in _FOLDER_VAR.finditer(text))
+
+
 def resolve(job: KohyaJob, value: Any) -> Path | None:
-    """A path the job names, read relative to the job file's folder (`~` expanded); None when unset
-    or when it holds a shell variable fitfinder does not expand."""
+    """A path the job names, read relative to the job file's folder (`~` expanded, `$here/` where the
+    shell file sets `here` to its own folder); None when unset or when it holds a shell variable
+    fitfinder does not expand."""
+    if value and isinstance(value, (str, Path)):
+        for name in job.folder_vars:
+            for prefix in (f"${name}/", f"${{{name}}}/"):
+                if str(value).startswith(prefix):
+                    value = str(job.folder / str(value)[len(prefix):])
     if not value or not isinstance(value, (str, Path)) or "$" in str(value):
         return None
     path = Path(str(value)).expanduser()
@@ -429,7 +455,8 @@ def write_files(job: KohyaJob, stem: str, header: list[str], folder: Path | None
     trainer probe's private folder) every file is written and each names the others by their path there."""
     line_edits: dict[str, Any] = {}
     config_edits: dict[str, Any] = {}
-    option_edits = {key: value for key, value in job.changes.items() if not key.startswith("datasets[")}
+    option_edits = {key: value for key, value in job.changes.items()
+                    if not key.startswith(("datasets[", "cache:", PROMPTS_SIZE))}
     dataset_edits, from_datasets = job.trainer.dataset_edits(
         job, {key: value for key, value in job.changes.items() if key.startswith("datasets[")})
     option_edits.update(from_datasets)
@@ -438,8 +465,13 @@ def write_files(job: KohyaJob, stem: str, header: list[str], folder: Path | None
         (line_edits if on_line else config_edits)[key] = value
     _relocated(job, line_edits, config_edits, dest)
     files: dict[str, str] = {}
-    names = {"dataset": f"{stem}_dataset.toml", "config": f"{stem}.toml"}
+    names = {"dataset": f"{stem}_dataset.toml", "config": f"{stem}.toml", "prompts": f"{stem}_prompts.txt"}
     where = {kind: str(folder / name) if folder else name for kind, name in names.items()}
+    prompts = prompt_text(job) if PROMPTS_SIZE in job.changes and job.get("sample_prompts") else None
+    if prompts is not None:  # the previews' new size: a copy of the prompt file beside the job
+        files[names["prompts"]] = prompts
+        on_line = "sample_prompts" in job.line_flags or job.form == "shell" and "sample_prompts" not in job.config
+        (line_edits if on_line else config_edits)["sample_prompts"] = where["prompts"]
     if job.dataset_text is not None and (dataset_edits or folder):
         files[names["dataset"]] = _dataset_text(job, dataset_edits)
         on_line = "dataset_config" in job.line_flags or job.form == "shell" and "dataset_config" not in job.config
@@ -460,7 +492,7 @@ def _relocated(job: KohyaJob, line_edits: dict, config_edits: dict, dest: Path |
         return
     import os
 
-    for key in ("config_file", "dataset_config"):
+    for key in ("config_file", "dataset_config", "sample_prompts"):
         path = resolve(job, job.get(key))
         if path is None or Path(str(job.get(key))).is_absolute():
             continue
@@ -477,6 +509,7 @@ def _shell_text(job: KohyaJob, edits: dict[str, Any], header: list[str], dataset
         if dataset is not None and cached.get("dataset_word") is not None:
             word = cached["dataset_word"]
             changes.append((word.start, word.end, _shell.quoted(str(dataset))))
+        changes += _caching_edits(job, cached)
     for key, value in edits.items():
         option = job.options.get(key)
         if key in job.line_flags:
@@ -496,6 +529,34 @@ def _shell_text(job: KohyaJob, edits: dict[str, Any], header: list[str], dataset
         changes.append((words[-1].end, words[-1].end, joiner + joiner.join(appended)))
     body = _shell.edited(text, changes)
     return _with_header(body, header, "#")
+
+
+CACHE_KEY = "cache:{script}:{flag}"  # a change to a caching command's flag (musubi-tuner's text encoder's fp8)
+
+
+def cache_key(script: str, flag: str) -> str:
+    return CACHE_KEY.format(script=script, flag=flag)
+
+
+def _caching_edits(job: KohyaJob, cached: dict) -> list[tuple[int, int, str]]:
+    """A caching command's changed flags, made where each stands (removed when switched off), or
+    appended after its last word."""
+    text, words, edits = job.shell_text, cached.get("words") or [], []
+    prefix = cache_key(cached["script"], "")
+    for key, value in job.changes.items():
+        if not key.startswith(prefix) or not words:
+            continue
+        flag = key[len(prefix):]
+        if flag in cached["spans"]:
+            first, end = cached["spans"][flag]
+            start, stop = words[first].start, words[end - 1].end
+            if value is None or value is False:
+                edits.append((_blank_before(text, start), stop, ""))
+            else:
+                edits.append((start, stop, _flag_words(flag, value, None)))
+        elif value is not None and value is not False:
+            edits.append((words[-1].end, words[-1].end, " " + _flag_words(flag, value, None)))
+    return edits
 
 
 def _blank_before(text: str, start: int) -> int:
@@ -596,6 +657,11 @@ def architecture(job: KohyaJob, family: str, default_arch: str, checkpoint_key: 
     return {"family": family, "weights": "none", "arch_name": stem, "arch": arch, "path": None}
 
 
+def family(name: str):
+    """A model family's declaration (models/NAME.py FAMILY): its parts' names."""
+    return models.FAMILIES[name]
+
+
 def _note(job: KohyaJob, text: str) -> None:
     if text not in job.notes:
         job.notes.append(text)
@@ -614,11 +680,11 @@ def prompt_lines(job: KohyaJob) -> list[dict[str, str]] | None:
     """The sample prompt file's prompts, each with its options (`--w 1024 --h 1024 --s 20 ...`), as
     train_util.load_prompts reads a .txt file; None when there is no file to read (a .toml or .json
     prompt file is not read: its previews take the defaults, and the notes say so)."""
-    path = resolve(job, job.get("sample_prompts"))
-    if path is None or not path.is_file() or path.suffix.lower() not in (".txt", ""):
+    text = prompt_text(job)
+    if text is None:
         return None
     found = []
-    for line in read_text(path, "sample prompt file").splitlines():
+    for line in text.splitlines():
         line = line.strip()
         if not line or line.startswith("#"):
             continue
@@ -630,6 +696,63 @@ def prompt_lines(job: KohyaJob) -> list[dict[str, str]] | None:
     return found
 
 
+def prompt_text(job: KohyaJob) -> str | None:
+    """The prompt file's text with fitfinder's preview size (PROMPTS_SIZE) in it; None where there is
+    no .txt prompt file to read."""
+    path = resolve(job, job.get("sample_prompts"))
+    if path is None or not path.is_file() or path.suffix.lower() not in (".txt", ""):
+        return None
+    text = read_text(path, "sample prompt file")
+    size = job.changes.get(PROMPTS_SIZE)
+    return text if size is None else _sized_prompts(text, *size, job.trainer.PREVIEW_DEFAULT(job))
+
+
+# A change to the previews' size: every prompt line's --w and --h at most these (the largest becomes them).
+PROMPTS_SIZE = "prompts:size"
+_SIZE_OPTION = re.compile(r"(\s--([wh])\s+)(\d+)")
+
+
+def _sized_prompts(text: str, width: int, height: int, default: tuple[int, int]) -> str:
+    """Each prompt line with its --w / --h (the script's default where it has none) capped at the size."""
+    lines = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            lines.append(line)
+            continue
+        sizes = {"w": default[0], "h": default[1]}
+        sizes.update({m.group(2): int(m.group(3)) for m in _SIZE_OPTION.finditer(line)})
+        capped = {"w": min(sizes["w"], width), "h": min(sizes["h"], height)}
+        line = _SIZE_OPTION.sub(lambda m: f"{m.group(1)}{capped[m.group(2)]}", line)
+        for key in ("w", "h"):
+            if not re.search(rf"\s--{key}\s+\d+", line):
+                line = f"{line.rstrip()} --{key} {capped[key]}"
+        lines.append(line)
+    return "\n".join(lines) + ("\n" if text.endswith("\n") else "")
+
+
+def sample_size_knob(job: KohyaJob) -> KnobSpec | None:
+    """The previews' size (the prompt file's --w / --h): the largest, three quarters of it and half,
+    keeping its aspect on a 64-pixel grid, as fitfinder's AI Toolkit knob; written as a copy of the
+    prompt file beside the job. Offered where there is a .txt prompt file to read."""
+    prompts = prompt_lines(job) if job.get("sample_prompts") else None
+    if not prompts:
+        return None
+    default = job.trainer.PREVIEW_DEFAULT(job)
+    sizes = [(int(p.get("w", default[0])), int(p.get("h", default[1]))) for p in prompts]
+    width, height = max(sizes, key=lambda size: (size[0] * size[1], size))
+    labels = {f"{width}x{height}"}
+    for scale in (0.5, 0.75):
+        labels.add(f"{max(64, round(width * scale / 64) * 64)}x{max(64, round(height * scale / 64) * 64)}")
+    ordered = tuple(sorted(labels, key=lambda label: math.prod(int(p) for p in label.split("x"))))
+
+    def write(target: KohyaJob, label: str, space) -> None:
+        target.set(PROMPTS_SIZE, tuple(int(p) for p in label.split("x")))
+
+    return KnobSpec("sample_size", "quality", ordered, f"{width}x{height}", ("sample_prompts",),
+                    frozenset({"sample", "last_sample"}), "--w/--h", str, write)
+
+
 def settings_problem(job: KohyaJob, where: str, ok: bool, expected: str) -> None:
     if not ok:
         raise ConfigError(job.source, [f"{where}: expected {expected}, got {brief(job.get(where))}"])
@@ -637,6 +760,20 @@ def settings_problem(job: KohyaJob, where: str, ok: bool, expected: str) -> None
 
 def dtype_of_precision(value: Any) -> str:
     return {"bf16": "bf16", "fp16": "fp16", "no": "fp32", "fp32": "fp32"}.get(str(value or "no").lower(), "fp32")
+
+
+def check_swap(job: KohyaJob, most: int | None) -> None:
+    """--blocks_to_swap within what the model's enable_block_swap asserts (`most`; None: the script has
+    no block swap, and its parser does not declare the option)."""
+    value = job.get("blocks_to_swap")
+    if not value:
+        return
+    if most is None:
+        raise UserError(f"{job.source}: --blocks_to_swap: {job.script.name} has no block swap (its parser does not "
+                        "declare the option)")
+    if int(value) > most:
+        raise UserError(f"{job.source}: --blocks_to_swap {value}: {job.script.name}'s model swaps at most {most} "
+                        "blocks (enable_block_swap asserts it)")
 
 
 def not_modelled(job: KohyaJob, flags: dict[str, str]) -> None:
@@ -678,18 +815,25 @@ def dataset_edits(job: KohyaJob, changes: dict[str, Any], from_args: dict[str, s
 
 # -- the probe's request ---------------------------------------------------------------------------
 def sample_settings(job: KohyaJob, prompts: list[dict] | None, width: int, height: int, steps: int,
-                    guidance_key: str, guidance: float, first: list[str], sample_steps: int) -> dict:
-    """The previews as the prompt file asks for them: the largest --w x --h, its --s (at most the
-    probe's `sample_steps`: every denoising step holds the same memory) and guidance."""
+                    guidance_key: str, guidance: float, first: list[str], sample_steps: int,
+                    frames_key: str | None = None) -> dict:
+    """The previews as the prompt file asks for them: the largest --w x --h (with musubi-tuner's video
+    models, x --f frames, rounded down to 4k+1 as sample_image_inference does; 1 by default), its --s
+    (at most the probe's `sample_steps`: every denoising step holds the same memory) and guidance."""
     enabled = bool(job.get("sample_prompts"))
     if enabled and prompts is None:
         _note(job, f"sample_prompts {brief(job.get('sample_prompts'))} is not a prompt file here: previews "
                          f"at the script's defaults ({width}x{height}, {steps} steps)")
-    sizes = [(int(p.get("w", width)), int(p.get("h", height))) for p in prompts or []] or [(width, height)]
-    big = max(sizes, key=lambda size: (size[0] * size[1], size))
-    chosen = next((p for p in prompts or [] if (int(p.get("w", width)), int(p.get("h", height))) == big), {})
+    def frames(p: dict) -> int:
+        return (int(p.get(frames_key, 1)) - 1) // 4 * 4 + 1 if frames_key else 1
+
+    sizes = [(int(p.get("w", width)), int(p.get("h", height)), frames(p)) for p in prompts or []] \
+        or [(width, height, 1)]
+    big = max(sizes, key=lambda size: (size[0] * size[1] * size[2], size))
+    chosen = next((p for p in prompts or [] if (int(p.get("w", width)), int(p.get("h", height)), frames(p)) == big),
+                  {})
     return {"first": enabled and "sample" in first, "last": enabled and "last_sample" in first,
-            "width": big[0], "height": big[1], "frames": 1,
+            "width": big[0], "height": big[1], "frames": big[2],
             "steps": min(sample_steps, int(chosen.get("s", steps))),
             "guidance_scale": float(chosen.get(guidance_key, guidance))}
 
@@ -719,9 +863,196 @@ def request(job: KohyaJob, spec: dict, trainer: dict, sample: dict, rank_ignore:
         "optimizer": optimizer_of(job, job.trainer.DEFAULT_OPTIMIZER),
         "optimizer_params": {}, "ema_decay": None,
         "lr": float(job.get("learning_rate") or 1e-4),
-        "trained": ["transformer"], "switch_every": 1,
+        # one LoRA, on the first denoiser (Wan 2.2's two experts share musubi-tuner's one network)
+        "trained": list(family(spec["family"]).denoisers[:1]), "switch_every": 1,
         "sample": sample, "preview_holds_gradients": False,
         "steps": int(steps), "meter": meter, "budget_bytes": budget_bytes, "gpu": gpu, "seed": 0,
         "trainer": trainer,
         **({"fault": fault} if fault else {}),
     }
+
+
+# -- a new job, written from settings (the kohya export) ---------------------------------------------
+@dataclass
+class NewJob:
+    """A kohya job fitfinder writes from settings rather than edits (`fitfinder export --format kohya`):
+    a --config_file TOML, its dataset TOML, a prompt file, and the shell file that runs the caching
+    scripts (musubi-tuner's) and the training script. The model's files come from environment
+    variables: the settings name a model, the trainers want its files."""
+
+    trainer: Any  # sd_scripts or musubi_tuner
+    script: Any  # its Script
+    own: dict[str, Any]  # the script's options that name the model (--task, --model_version, --model_type)
+    sections: dict[str, dict[str, Any]]  # the config TOML's tables, which the trainers flatten
+    datasets: dict[str, Any]  # the dataset TOML: general and datasets
+    prompts: list[str]  # the prompt file's lines (none: no file, no --sample_prompts)
+    header: list[str]  # comment lines at the head of the config TOML
+    comments: list[str]  # comment lines at the head of the shell file, after the shebang
+    precision: str  # accelerate launch --mixed_precision
+    text_fp8: bool = False  # the text caching script's fp8 switch (musubi-tuner: --fp8_t5, --fp8_vl, ...)
+
+    @property
+    def script_path(self) -> str:
+        """The training script as a shell file runs it: sd-scripts' at its checkout's root,
+        musubi-tuner's under src/musubi_tuner/."""
+        return f"src/musubi_tuner/{self.script.name}" if self.trainer.REPO == "musubi-tuner" else self.script.name
+
+    @property
+    def model_files(self) -> tuple[tuple[str, str, str], ...]:
+        return self.trainer.model_files(self.script, self.own)
+
+
+def new_job_texts(job: NewJob, stem: str = "kohya") -> dict[str, str]:
+    """File name -> text: `{stem}.toml`, `{stem}_dataset.toml`, `{stem}_prompts.txt` (with prompts) and
+    `{stem}.sh`. Every option is one the script's parser declares (an undeclared one would stop the
+    trainer: argparse refuses it); TOML is written by a TOML library, so a newline or quote in a
+    value stays inside its string."""
+    for section in job.sections.values():
+        for key in section:
+            if key not in job.script.options:
+                raise ValueError(f"{key}: not an option of {job.script.name} ({job.trainer.REPO})")
+    texts = {f"{stem}.toml": _toml_text(job.sections, job.header),
+             f"{stem}_dataset.toml": _toml_text(job.datasets, [f"Dataset config for {job.script.name}, written by "
+                                                               "fitfinder."])}
+    if job.prompts:
+        texts[f"{stem}_prompts.txt"] = "\n".join(job.prompts) + "\n"
+    texts[f"{stem}.sh"] = _new_shell_text(job, stem)
+    return texts
+
+
+def _toml_text(sections: dict[str, Any], header: list[str]) -> str:
+    import tomli_w
+
+    body = {name: content for name, content in sections.items() if content}  # no empty table
+    return "".join(f"# {one_line(line, 1000)}\n" for line in header) + "\n" + tomli_w.dumps(body)
+
+
+def _new_shell_text(job: NewJob, stem: str) -> str:
+    """The shell file. Every value in a command is quoted and every comment is one line (a newline
+    in a job's name would otherwise start a command of its own); the files beside it are named by
+    `$here`, the file's own folder, which fitfinder reads back as that folder."""
+    import shlex
+
+    q = shlex.quote
+    files = {option: f'"${env}"' for option, env, _ in job.model_files}
+    lines = ["#!/usr/bin/env bash", *(f"# {one_line(line, 1000)}" for line in job.comments),
+             "set -euo pipefail", 'here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"']
+    lines += [f': "${{{env}:?set {env} to {what}}}"' for _, env, what in job.model_files]
+    dataset = f'--dataset_config "$here/{stem}_dataset.toml"'
+    for script, options in _caching_scripts(job):  # musubi-tuner caches latents and text outputs first
+        words = [f"--{option} {value}" for option, value in files.items() if option in options]
+        if script.endswith("_cache_latents.py") and "i2v" in options and "i2v" in str(job.own.get("task")) \
+                and "clip" not in files:
+            words.append("--i2v")  # wan_cache_latents.py: encode the first frame (set by --clip where there is one)
+        if script.endswith("_cache_text_encoder_outputs.py") and job.text_fp8:
+            words.append(f"--{job.script.text_fp8}")
+        words += [f"--{key} {q(str(value))}" for key, value in job.own.items() if key in options]
+        lines.append(" ".join([f"python {q(script)} {dataset}", *words]))
+    launch = [f"accelerate launch --num_cpu_threads_per_process 1 --mixed_precision {q(job.precision)} "
+              f"{q(job.script_path)}", f'--config_file "$here/{stem}.toml"', dataset]
+    launch += [f"--{option} {value}" for option, value in files.items()]
+    if job.prompts:
+        launch.append(f'--sample_prompts "$here/{stem}_prompts.txt"')
+    lines.append(" \\\n  ".join(launch))
+    return "\n".join(lines) + "\n"
+
+
+def _caching_scripts(job: NewJob) -> list[tuple[str, dict[str, Option]]]:
+    """musubi-tuner's caching scripts, latents first (its docs' order), each with its parser's options."""
+    if not hasattr(job.script, "latent_cache"):
+        return []  # sd-scripts caches inside the training script
+    return [(f"src/musubi_tuner/{name}", options) for name, options in (job.script.latent_cache,
+                                                                          job.script.text_cache)]
+
+
+# -- a diagnosis's first change, in the trainer's own settings (fitfinder diagnose --job run.sh) -------
+def diagnose_settings(job: KohyaJob) -> dict[str, Any]:
+    """What diagnose's rollback looks at (diagnose.Settings' fields), read from the job: the datasets'
+    batch and largest resolution, the clips' frames, fp8, block swap (or Wan 2.2's offloaded expert),
+    the text encoders' caching (always, in musubi-tuner), the previews, the data loader's workers."""
+    musubi = job.trainer.REPO == "musubi-tuner"
+    frames = [job.trainer.clip_frames(job, i) for i in range(len(job.datasets))] if musubi else [1]
+    prompts = prompt_lines(job) or []
+    previews = [(int(p["w"]), int(p["h"])) for p in prompts if p.get("w") and p.get("h")]
+    return {
+        "batch": max(int(job.get(f"datasets[{i}].batch_size")) for i in range(len(job.datasets))),
+        "accumulation": job.accumulation,
+        "checkpointing": bool(job.get("gradient_checkpointing")),
+        "buckets": sorted({resolution_side(v) for v in job.get("datasets[*].resolution")}),
+        "frames": max(frames),
+        "quantize": bool(job.get("fp8_base") or job.get("fp8_base_unet")),
+        "quantize_text": _text_in_fp8(job),
+        "low_vram": bool(job.get("blocks_to_swap") or job.get("offload_inactive_dit")),
+        "cache_text": musubi or bool(job.get("cache_text_encoder_outputs")
+                                     or job.get("cache_text_encoder_outputs_to_disk")),
+        "sampling_off": not job.get("sample_prompts"),
+        "sample_size": max(previews, key=lambda size: size[0] * size[1]) if previews else None,
+        "cache_to_disk": musubi or bool(job.get("cache_latents_to_disk")),
+        "workers": int(job.get("max_data_loader_n_workers") or 0),
+    }
+
+
+def _text_in_fp8(job: KohyaJob) -> bool | None:
+    """Whether the text encoders' caching pass runs in fp8: musubi-tuner's caching script's switch
+    (--fp8_vl, --fp8_t5, ...); sd-scripts' T5XXL from an fp8 file with --fp8_base (the CLIPs are
+    "always not fp8" there); None where neither says (no T5XXL, or its file is not here)."""
+    if job.trainer.REPO == "musubi-tuner":
+        flag = job.script.text_fp8
+        return bool(job.trainer.cache_flag(job, job.script.text_cache[0], flag) or job.get(flag))
+    if "t5xxl" not in job.options or not job.get("t5xxl"):
+        return None
+    return bool(job.get("fp8_base")) and part_dtype(job, "t5xxl", "") == "fp8"
+
+
+def lever_changes(job: KohyaJob, lever: str) -> list[tuple[str, Any, Any]]:
+    """diagnose's lever (diagnose.LEVERS) as this job's edits, (option or dataset key, old, new): the knob
+    that turns the same setting, written by its own writer (so the change reads as the search would
+    write it), or the option itself; none where the job has no such setting (the text encoder's fp8 is
+    a file, the preview's size a prompt file's flags)."""
+    knobs = {knob.name: knob for knob in job.knob_specs()}
+    value = _lever_value(job, lever, knobs)
+    target = job.copy()
+    target.changes = {}
+    if value is not None:
+        knob = knobs[value[0]]
+        knob.writer(target, value[1], None)
+    elif lever == "cache_to_disk" and "cache_latents_to_disk" in job.options \
+            and not job.get("cache_latents_to_disk"):
+        target.set("cache_latents_to_disk", True)
+    elif lever == "fewer_workers" and int(job.get("max_data_loader_n_workers") or 0) > 0:
+        target.set("max_data_loader_n_workers", 0)
+    return [(key, job.get(key), new) for key, new in target.changes.items() if job.get(key) != new]
+
+
+def _lever_value(job: KohyaJob, lever: str, knobs: dict[str, KnobSpec]) -> tuple[str, Any] | None:
+    """(knob name, its value) for a lever: one step lighter than the job, on the knob's own ladder."""
+    def lighter(name: str) -> tuple[str, Any] | None:
+        knob = knobs.get(name)
+        if knob is None:
+            return None
+        index = knob.candidates.index(knob.desired)
+        return (name, knob.candidates[index - 1]) if index > 0 else None
+
+    if lever == "checkpointing":
+        return ("gradient_checkpointing", True) if "gradient_checkpointing" in knobs and not knobs[
+            "gradient_checkpointing"].desired else None
+    if lever == "batch":
+        return ("batch", 1) if "batch" in knobs and knobs["batch"].desired != 1 else None
+    if lever == "low_vram":  # Wan 2.2's inactive expert to the host first, else half the blocks it can swap
+        if "low_vram" in knobs and not knobs["low_vram"].desired:
+            return "low_vram", True
+        swap = knobs.get("layer_offloading")
+        if swap is None or swap.desired >= swap.candidates[0]:
+            return None
+        return "layer_offloading", min(swap.candidates[0], swap.desired + max(1, swap.candidates[0] // 2))
+    if lever == "sampling_off":
+        return ("sampling", False) if "sampling" in knobs else None
+    text = knobs.get("text_encoder")
+    if lever == "cache_text":  # sd-scripts: cache_text_encoder_outputs
+        return ("text_encoder", "cache") if text and "cache" in text.candidates and text.desired != "cache" else None
+    if lever == "quantize_text":  # musubi-tuner: the text caching script's fp8 switch
+        return ("text_encoder", "fp8") if text and "fp8" in text.candidates and text.desired != "fp8" else None
+    if lever == "smaller_sample":
+        return lighter("sample_size")
+    by_knob = {"bucket": "buckets", "frames": "frames", "quantize": "quantize"}
+    return lighter(by_knob[lever]) if lever in by_knob else None

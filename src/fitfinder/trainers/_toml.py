@@ -112,6 +112,12 @@ def delete_key(text: str, table: str, occurrence: int, key: str, source: str) ->
 
 
 def _rendered(key: str, value: Any) -> str:
+    """`key = value` on one line: an array of numbers or strings inline (`target_frames = [1, 41]`), as
+    people write them; anything else as tomli_w writes it."""
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (int, float, str)) and not isinstance(v, bool)
+                                                for v in value):
+        items = [tomli_w.dumps({"v": v}).strip()[len("v = "):] for v in value]
+        return tomli_w.dumps({key: 0}).strip()[:-1] + "[" + ", ".join(items) + "]"
     return tomli_w.dumps({key: value}).strip()
 
 

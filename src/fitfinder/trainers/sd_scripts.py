@@ -1,219 +1,57 @@
-"""kohya sd-scripts: its argument parser's defaults, its scripts, its knobs, its recipe (kohya-ss/sd-scripts).
+"""kohya sd-scripts: its scripts, their parsers' defaults, their knobs, their recipes (kohya-ss/sd-scripts).
 
 What is read here is public source (kohya-ss/sd-scripts, commit 48d368fa, 2026-02-16), cited by
 file and line or function beside each rule; docs/trainers.md gathers the rules in tables.
 
-Scripts: `flux_train_network.py` (FLUX.1 dev and schnell). The others (sdxl_train_network.py,
-sd3_train_network.py, train_network.py, lumina_train_network.py, Chroma by --model_type) follow
-this module's pattern and are refused by name until then.
+Scripts, each a `Script` below: `flux_train_network.py` (FLUX.1 dev and schnell; Chroma with
+`--model_type chroma`), `sdxl_train_network.py`, `sd3_train_network.py`, `train_network.py`
+(SD 1.5) and `lumina_train_network.py` (Lumina Image 2.0). Every one runs NetworkTrainer.train
+(train_network.py), so one recipe holds them all, its script-specific parts named by the Script:
+which parts are "always not fp8" in the text encoders' caching pass, which follow the fp8 file,
+whether the encoders' outputs can be cached, the block lists that swap, the preview's defaults.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from fitfinder.errors import UserError
 from fitfinder.trainers import _kohya
-from fitfinder.trainers._kohya import BOOL, FLOAT, INT, LIST, STR, KnobSpec, KohyaJob, Option
+from fitfinder.trainers import _sd_scripts_options as parsers
+from fitfinder.trainers._kohya import KnobSpec, KohyaJob, Option
 
 REPO = "sd-scripts"
 # train_util.get_optimizer: an empty optimizer_type is AdamW.
 DEFAULT_OPTIMIZER = "adamw"
 
-# Every option of flux_train_network.py's parser with its default: library/train_util.py (the shared
-# argument groups), train_network.py setup_parser, library/flux_train_utils.py add_flux_train_arguments,
-# flux_train_network.py setup_parser (file:line of each add_argument, at commit 48d368fa).
-FLUX_OPTIONS: dict[str, Option] = {
-    "v2": Option(BOOL, False, "library/train_util.py:3643"),
-    "v_parameterization": Option(BOOL, False, "library/train_util.py:3646"),
-    "pretrained_model_name_or_path": Option(STR, None, "library/train_util.py:3649"),
-    "tokenizer_cache_dir": Option(STR, None, "library/train_util.py:3655"),
-    "optimizer_type": Option(STR, '', "library/train_util.py:3678"),
-    "use_8bit_adam": Option(BOOL, False, "library/train_util.py:3690"),
-    "use_lion_optimizer": Option(BOOL, False, "library/train_util.py:3695"),
-    "learning_rate": Option(FLOAT, 2e-06, "library/train_util.py:3701"),
-    "max_grad_norm": Option(FLOAT, 1.0, "library/train_util.py:3702"),
-    "optimizer_args": Option(LIST, None, "library/train_util.py:3709"),
-    "lr_scheduler_type": Option(STR, '', "library/train_util.py:3731"),
-    "lr_scheduler_args": Option(LIST, None, "library/train_util.py:3732"),
-    "lr_scheduler": Option(STR, 'constant', "library/train_util.py:3740"),
-    "lr_warmup_steps": Option(STR, 0, "library/train_util.py:3746"),
-    "lr_decay_steps": Option(STR, 0, "library/train_util.py:3753"),
-    "lr_scheduler_num_cycles": Option(INT, 1, "library/train_util.py:3760"),
-    "lr_scheduler_power": Option(FLOAT, 1.0, "library/train_util.py:3766"),
-    "fused_backward_pass": Option(BOOL, False, "library/train_util.py:3772"),
-    "lr_scheduler_timescale": Option(INT, None, "library/train_util.py:3778"),
-    "lr_scheduler_min_lr_ratio": Option(FLOAT, None, "library/train_util.py:3785"),
-    "output_dir": Option(STR, None, "library/train_util.py:3795"),
-    "output_name": Option(STR, None, "library/train_util.py:3798"),
-    "huggingface_repo_id": Option(STR, None, "library/train_util.py:3801"),
-    "huggingface_repo_type": Option(STR, None, "library/train_util.py:3807"),
-    "huggingface_path_in_repo": Option(STR, None, "library/train_util.py:3813"),
-    "huggingface_token": Option(STR, None, "library/train_util.py:3819"),
-    "huggingface_repo_visibility": Option(STR, None, "library/train_util.py:3820"),
-    "save_state_to_huggingface": Option(BOOL, False, "library/train_util.py:3826"),
-    "resume_from_huggingface": Option(BOOL, False, "library/train_util.py:3829"),
-    "async_upload": Option(BOOL, False, "library/train_util.py:3834"),
-    "save_precision": Option(STR, None, "library/train_util.py:3839"),
-    "save_every_n_epochs": Option(INT, None, "library/train_util.py:3846"),
-    "save_every_n_steps": Option(INT, None, "library/train_util.py:3852"),
-    "save_n_epoch_ratio": Option(INT, None, "library/train_util.py:3858"),
-    "save_last_n_epochs": Option(INT, None, "library/train_util.py:3864"),
-    "save_last_n_epochs_state": Option(INT, None, "library/train_util.py:3870"),
-    "save_last_n_steps": Option(INT, None, "library/train_util.py:3876"),
-    "save_last_n_steps_state": Option(INT, None, "library/train_util.py:3882"),
-    "save_state": Option(BOOL, False, "library/train_util.py:3888"),
-    "save_state_on_train_end": Option(BOOL, False, "library/train_util.py:3893"),
-    "resume": Option(STR, None, "library/train_util.py:3898"),
-    "train_batch_size": Option(INT, 1, "library/train_util.py:3900"),
-    "max_token_length": Option(INT, None, "library/train_util.py:3901"),
-    "mem_eff_attn": Option(BOOL, False, "library/train_util.py:3908"),
-    "torch_compile": Option(BOOL, False, "library/train_util.py:3913"),
-    "dynamo_backend": Option(STR, 'inductor', "library/train_util.py:3916"),
-    "xformers": Option(BOOL, False, "library/train_util.py:3939"),
-    "sdpa": Option(BOOL, False, "library/train_util.py:3940"),
-    "vae": Option(STR, None, "library/train_util.py:3945"),
-    "max_train_steps": Option(INT, 1600, "library/train_util.py:3952"),
-    "max_train_epochs": Option(INT, None, "library/train_util.py:3953"),
-    "max_data_loader_n_workers": Option(INT, 8, "library/train_util.py:3959"),
-    "persistent_data_loader_workers": Option(BOOL, False, "library/train_util.py:3965"),
-    "seed": Option(INT, None, "library/train_util.py:3970"),
-    "gradient_checkpointing": Option(BOOL, False, "library/train_util.py:3971"),
-    "gradient_accumulation_steps": Option(INT, 1, "library/train_util.py:3974"),
-    "mixed_precision": Option(STR, 'no', "library/train_util.py:3980"),
-    "full_fp16": Option(BOOL, False, "library/train_util.py:3987"),
-    "full_bf16": Option(BOOL, False, "library/train_util.py:3992"),
-    "fp8_base": Option(BOOL, False, "library/train_util.py:3997"),
-    "ddp_timeout": Option(INT, None, "library/train_util.py:4003"),
-    "ddp_gradient_as_bucket_view": Option(BOOL, False, "library/train_util.py:4009"),
-    "ddp_static_graph": Option(BOOL, False, "library/train_util.py:4014"),
-    "clip_skip": Option(INT, None, "library/train_util.py:4019"),
-    "logging_dir": Option(STR, None, "library/train_util.py:4025"),
-    "log_with": Option(STR, None, "library/train_util.py:4031"),
-    "log_prefix": Option(STR, None, "library/train_util.py:4038"),
-    "log_tracker_name": Option(STR, None, "library/train_util.py:4041"),
-    "wandb_run_name": Option(STR, None, "library/train_util.py:4047"),
-    "log_tracker_config": Option(STR, None, "library/train_util.py:4053"),
-    "wandb_api_key": Option(STR, None, "library/train_util.py:4059"),
-    "log_config": Option(BOOL, False, "library/train_util.py:4065"),
-    "noise_offset": Option(FLOAT, None, "library/train_util.py:4067"),
-    "noise_offset_random_strength": Option(BOOL, False, "library/train_util.py:4073"),
-    "multires_noise_iterations": Option(INT, None, "library/train_util.py:4078"),
-    "ip_noise_gamma": Option(FLOAT, None, "library/train_util.py:4084"),
-    "ip_noise_gamma_random_strength": Option(BOOL, False, "library/train_util.py:4091"),
-    "multires_noise_discount": Option(FLOAT, 0.3, "library/train_util.py:4103"),
-    "adaptive_noise_scale": Option(FLOAT, None, "library/train_util.py:4109"),
-    "zero_terminal_snr": Option(BOOL, False, "library/train_util.py:4115"),
-    "min_timestep": Option(INT, None, "library/train_util.py:4120"),
-    "max_timestep": Option(INT, None, "library/train_util.py:4126"),
-    "loss_type": Option(STR, 'l2', "library/train_util.py:4132"),
-    "huber_schedule": Option(STR, 'snr', "library/train_util.py:4139"),
-    "huber_c": Option(FLOAT, 0.1, "library/train_util.py:4147"),
-    "huber_scale": Option(FLOAT, 1.0, "library/train_util.py:4155"),
-    "lowram": Option(BOOL, False, "library/train_util.py:4163"),
-    "highvram": Option(BOOL, False, "library/train_util.py:4168"),
-    "sample_every_n_steps": Option(INT, None, "library/train_util.py:4175"),
-    "sample_at_first": Option(BOOL, False, "library/train_util.py:4181"),
-    "sample_every_n_epochs": Option(INT, None, "library/train_util.py:4184"),
-    "sample_prompts": Option(STR, None, "library/train_util.py:4190"),
-    "sample_sampler": Option(STR, 'ddim', "library/train_util.py:4196"),
-    "config_file": Option(STR, None, "library/train_util.py:4221"),
-    "output_config": Option(BOOL, False, "library/train_util.py:4227"),
-    "prior_loss_weight": Option(FLOAT, 1.0, "library/train_util.py:4232"),
-    "conditioning_data_dir": Option(STR, None, "library/train_util.py:4238"),
-    "masked_loss": Option(BOOL, False, "library/train_util.py:4244"),
-    "cache_text_encoder_outputs": Option(BOOL, False, "library/train_util.py:4253"),
-    "cache_text_encoder_outputs_to_disk": Option(BOOL, False, "library/train_util.py:4256"),
-    "text_encoder_batch_size": Option(INT, None, "library/train_util.py:4261"),
-    "disable_mmap_load_safetensors": Option(BOOL, False, "library/train_util.py:4270"),
-    "weighting_scheme": Option(STR, 'uniform', "library/train_util.py:4277"),
-    "logit_mean": Option(FLOAT, 0.0, "library/train_util.py:4285"),
-    "logit_std": Option(FLOAT, 1.0, "library/train_util.py:4291"),
-    "mode_scale": Option(FLOAT, 1.29, "library/train_util.py:4297"),
-    "blocks_to_swap": Option(INT, None, "library/train_util.py:4305"),
-    "train_data_dir": Option(STR, None, "library/train_util.py:4479"),
-    "cache_info": Option(BOOL, False, "library/train_util.py:4482"),
-    "shuffle_caption": Option(BOOL, False, "library/train_util.py:4488"),
-    "caption_separator": Option(STR, ',', "library/train_util.py:4491"),
-    "caption_extension": Option(STR, '.caption', "library/train_util.py:4492"),
-    "caption_extention": Option(STR, None, "library/train_util.py:4495"),
-    "keep_tokens": Option(INT, 0, "library/train_util.py:4501"),
-    "keep_tokens_separator": Option(STR, '', "library/train_util.py:4507"),
-    "secondary_separator": Option(STR, None, "library/train_util.py:4514"),
-    "enable_wildcard": Option(BOOL, False, "library/train_util.py:4521"),
-    "caption_prefix": Option(STR, None, "library/train_util.py:4526"),
-    "caption_suffix": Option(STR, None, "library/train_util.py:4532"),
-    "color_aug": Option(BOOL, False, "library/train_util.py:4538"),
-    "flip_aug": Option(BOOL, False, "library/train_util.py:4541"),
-    "face_crop_aug_range": Option(STR, None, "library/train_util.py:4544"),
-    "random_crop": Option(BOOL, False, "library/train_util.py:4550"),
-    "debug_dataset": Option(BOOL, False, "library/train_util.py:4555"),
-    "resolution": Option(STR, None, "library/train_util.py:4560"),
-    "cache_latents": Option(BOOL, False, "library/train_util.py:4566"),
-    "vae_batch_size": Option(INT, 1, "library/train_util.py:4571"),
-    "cache_latents_to_disk": Option(BOOL, False, "library/train_util.py:4574"),
-    "skip_cache_check": Option(BOOL, False, "library/train_util.py:4579"),
-    "enable_bucket": Option(BOOL, False, "library/train_util.py:4585"),
-    "min_bucket_reso": Option(INT, 256, "library/train_util.py:4590"),
-    "max_bucket_reso": Option(INT, 1024, "library/train_util.py:4597"),
-    "bucket_reso_steps": Option(INT, 64, "library/train_util.py:4604"),
-    "bucket_no_upscale": Option(BOOL, False, "library/train_util.py:4610"),
-    "resize_interpolation": Option(STR, None, "library/train_util.py:4615"),
-    "token_warmup_min": Option(INT, 1, "library/train_util.py:4622"),
-    "token_warmup_step": Option(FLOAT, 0.0, "library/train_util.py:4628"),
-    "alpha_mask": Option(BOOL, False, "library/train_util.py:4634"),
-    "dataset_class": Option(STR, None, "library/train_util.py:4640"),
-    "caption_dropout_rate": Option(FLOAT, 0.0, "library/train_util.py:4650"),
-    "caption_dropout_every_n_epochs": Option(INT, 0, "library/train_util.py:4653"),
-    "caption_tag_dropout_rate": Option(FLOAT, 0.0, "library/train_util.py:4659"),
-    "reg_data_dir": Option(STR, None, "library/train_util.py:4668"),
-    "in_json": Option(STR, None, "library/train_util.py:4674"),
-    "dataset_repeats": Option(INT, 1, "library/train_util.py:4677"),
-    "use_safetensors": Option(BOOL, False, "library/train_util.py:4693"),
-    "cpu_offload_checkpointing": Option(BOOL, False, "train_network.py:1746"),
-    "no_metadata": Option(BOOL, False, "train_network.py:1752"),
-    "save_model_as": Option(STR, 'safetensors', "train_network.py:1755"),
-    "unet_lr": Option(FLOAT, None, "train_network.py:1763"),
-    "text_encoder_lr": Option(LIST, None, "train_network.py:1764"),
-    "fp8_base_unet": Option(BOOL, False, "train_network.py:1771"),
-    "network_weights": Option(STR, None, "train_network.py:1778"),
-    "network_module": Option(STR, None, "train_network.py:1781"),
-    "network_dim": Option(INT, None, "train_network.py:1784"),
-    "network_alpha": Option(FLOAT, 1.0, "train_network.py:1790"),
-    "network_dropout": Option(FLOAT, None, "train_network.py:1796"),
-    "network_args": Option(LIST, None, "train_network.py:1802"),
-    "network_train_unet_only": Option(BOOL, False, "train_network.py:1809"),
-    "network_train_text_encoder_only": Option(BOOL, False, "train_network.py:1812"),
-    "training_comment": Option(STR, None, "train_network.py:1817"),
-    "dim_from_weights": Option(BOOL, False, "train_network.py:1823"),
-    "scale_weight_norms": Option(FLOAT, None, "train_network.py:1828"),
-    "base_weights": Option(LIST, None, "train_network.py:1834"),
-    "base_weights_multiplier": Option(LIST, None, "train_network.py:1841"),
-    "no_half_vae": Option(BOOL, False, "train_network.py:1848"),
-    "skip_until_initial_step": Option(BOOL, False, "train_network.py:1853"),
-    "initial_epoch": Option(INT, None, "train_network.py:1858"),
-    "initial_step": Option(INT, None, "train_network.py:1865"),
-    "validation_seed": Option(INT, None, "train_network.py:1872"),
-    "validation_split": Option(FLOAT, 0.0, "train_network.py:1878"),
-    "validate_every_n_steps": Option(INT, None, "train_network.py:1884"),
-    "validate_every_n_epochs": Option(INT, None, "train_network.py:1890"),
-    "max_validation_steps": Option(INT, None, "train_network.py:1896"),
-    "clip_l": Option(STR, None, "library/flux_train_utils.py:618"),
-    "t5xxl": Option(STR, None, "library/flux_train_utils.py:623"),
-    "ae": Option(STR, None, "library/flux_train_utils.py:628"),
-    "controlnet_model_name_or_path": Option(STR, None, "library/flux_train_utils.py:629"),
-    "t5xxl_max_token_length": Option(INT, None, "library/flux_train_utils.py:635"),
-    "apply_t5_attn_mask": Option(BOOL, False, "library/flux_train_utils.py:642"),
-    "guidance_scale": Option(FLOAT, 3.5, "library/flux_train_utils.py:648"),
-    "timestep_sampling": Option(STR, 'sigma', "library/flux_train_utils.py:655"),
-    "sigmoid_scale": Option(FLOAT, 1.0, "library/flux_train_utils.py:662"),
-    "model_prediction_type": Option(STR, 'sigma_scaled', "library/flux_train_utils.py:668"),
-    "discrete_flow_shift": Option(FLOAT, 3.0, "library/flux_train_utils.py:677"),
-    "model_type": Option(STR, 'flux', "library/flux_train_utils.py:684"),
-    "split_mode": Option(BOOL, False, "flux_train_network.py:528"),
-}
-FLUX_OPTIONS["dataset_config"] = Option(STR, None, "library/config_util.py:46")
+
+def PREVIEW_DEFAULT(job) -> tuple[int, int]:  # noqa: N802 - a trainer's constant, by the job's script
+    """A preview prompt's size where it gives no --w / --h (each script's sample_image_inference)."""
+    return job.script.previews.width, job.script.previews.height
+
+# Each script's parser, as its setup_parser builds it (library/config_util.py add_config_arguments
+# is in COMMON: --dataset_config).
+FLUX_OPTIONS: dict[str, Option] = {**parsers.COMMON, **parsers.DIT, **parsers.FLUX}
+SDXL_OPTIONS: dict[str, Option] = {**parsers.COMMON, **parsers.SDXL}
+SD3_OPTIONS: dict[str, Option] = {**parsers.COMMON, **parsers.DIT, **parsers.SD3}
+SD15_OPTIONS: dict[str, Option] = dict(parsers.COMMON)
+LUMINA_OPTIONS: dict[str, Option] = {**parsers.COMMON, **parsers.DIT, **parsers.LUMINA}
+
+
+@dataclass(frozen=True)
+class Previews:
+    """A preview prompt's defaults where the prompt file gives none (its --w --h --s), and the key of
+    its guidance: the scale whose default doubles the denoiser's batch (classifier-free guidance), or
+    FLUX.1's embedded guidance (one call)."""
+
+    width: int
+    height: int
+    steps: int
+    guidance_key: str
+    guidance: float
+    source: str
+    vae_throughout: bool = False  # the VAE on the card for the whole preview, not only its decode
 
 
 @dataclass(frozen=True)
@@ -224,25 +62,132 @@ class Script:
     checkpoint: str  # the option naming the denoiser's .safetensors file
     default_arch: str
     decide: Callable | None  # the checkpoint's header -> a shipped architecture
+    clips: tuple[str, ...]  # encoders cast to the weight dtype in the caching pass ("always not fp8")
+    t5: tuple[str, ...]  # encoders that keep their file's dtype with --fp8_base (T5XXL, an fp8 file)
+    caches_text: bool  # --cache_text_encoder_outputs exists for the script
+    previews: Previews
+    swap: Callable[[dict, int], dict[str, int]] | None = None  # (arch, n) -> block list: count, or no swap
+    most_swapped: Callable[[dict], int] | None = None
+    lora_blocks: str | None = None  # kohya's LoRA targets, where they differ from the family's
+    lora_convs: bool | None = None
+    cache_scripts: dict = field(default_factory=dict)  # sd-scripts caches inside the training script
+    model_type: str = "flux"  # flux_train_network.py's --model_type this Script answers
+    network_module: str = "networks.lora"  # its LoRA (networks/lora_NAME.py)
+    model_files: tuple[tuple[str, str, str], ...] = ()  # (option, environment variable, what file) a new job names
 
 
+# -- the architectures a checkpoint names ---------------------------------------------------------------
 def _flux_arch(header) -> str:
     """flux_utils.analyze_checkpoint_state: schnell has no guidance embedder (`guidance_in`)."""
     return "flux-dev" if header.has("guidance_in") else "flux-schnell"
 
 
-SCRIPTS = {"flux_train_network.py": Script("flux_train_network.py", "flux", FLUX_OPTIONS,
-                                           "pretrained_model_name_or_path", "flux-dev", _flux_arch)}
+def _same(stem: str) -> Callable:
+    return lambda header: stem
+
+
+# -- block swap, per model: which blocks of which list keep their weights in host memory ---------------
+def _flux_swap(arch: dict, n: int) -> dict[str, int]:
+    """Flux.enable_block_swap (library/flux_models.py): n blocks swap n//2 double blocks and
+    (n - n//2) * 2 single ones (diffusers' names for BFL's double and single blocks); Chroma is a
+    Flux subclass (library/chroma_models.py) and swaps the same way."""
+    return {"transformer_blocks": n // 2, "single_transformer_blocks": (n - n // 2) * 2} if n else {}
+
+
+def _flux_most(arch: dict) -> int:
+    """At most two fewer than each kind has: the largest n Flux.enable_block_swap's assert allows."""
+    transformer = arch["parts"]["transformer"]
+    double, single = int(transformer.get("num_layers", 19)), int(transformer.get("num_single_layers", 38))
+    return max((n for n in range(1, double + single + 1) if n // 2 <= double - 2 and (n - n // 2) * 2 <= single - 2),
+               default=0)
+
+
+def _list_swap(attribute: str) -> Callable[[dict, int], dict[str, int]]:
+    return lambda arch, n: {attribute: n} if n else {}
+
+
+def _list_most(key: str, default: int) -> Callable[[dict], int]:
+    """MMDiT.enable_block_swap (library/sd3_models.py) and NextDiT.enable_block_swap
+    (library/lumina_models.py): at most two fewer than the model's blocks."""
+    return lambda arch: int(arch["parts"]["transformer"].get(key, default)) - 2
+
+
+# kohya's LoRA for the U-Nets (networks/lora.py create_network): the Linear and 1x1 Conv2d layers of
+# every Transformer2DModel (UNET_TARGET_REPLACE_MODULE), which diffusers' UNet2DConditionModel holds
+# as the blocks' `attentions`; the 3x3 convolutions only with conv_dim in --network_args.
+UNET_LORA_BLOCKS = r"(down_blocks\.\d+|mid_block|up_blocks\.\d+)\.attentions\.\d+\..+"
+
+# Previews' defaults: train_util.sample_image_inference (SD 1.5 and SDXL: 512x512, 30 steps, scale 7.5,
+# the VAE moved to the card for the whole of sample_images_common), flux_train_utils.sample_image_inference
+# (512x512, 20 steps, --g 3.5 embedded, the AE for the decode only), sd3_train_utils.sample_image_inference
+# (512x512, 30 steps, scale 7.5 on a doubled batch, do_sample; the VAE for the decode only) and
+# lumina_train_util.sample_image_inference (1024x1024, 36 steps, scale 3.5; the VAE for the decode only).
+_SD_PREVIEWS = Previews(512, 512, 30, "l", 7.5, "library/train_util.py sample_image_inference", vae_throughout=True)
+_FLUX_PREVIEWS = Previews(512, 512, 20, "g", 3.5, "library/flux_train_utils.py sample_image_inference")
+_SD3_PREVIEWS = Previews(512, 512, 30, "l", 7.5, "library/sd3_train_utils.py sample_image_inference")
+_LUMINA_PREVIEWS = Previews(1024, 1024, 36, "l", 3.5, "library/lumina_train_util.py sample_image_inference")
+
+SCRIPTS = {
+    "flux_train_network.py": Script(
+        "flux_train_network.py", "flux", FLUX_OPTIONS, "pretrained_model_name_or_path", "flux-dev", _flux_arch,
+        clips=("text_encoder",), t5=("text_encoder_2",), caches_text=True, previews=_FLUX_PREVIEWS,
+        swap=_flux_swap, most_swapped=_flux_most, network_module="networks.lora_flux",
+        model_files=(("pretrained_model_name_or_path", "FLUX_MODEL", "the FLUX.1 transformer .safetensors "
+                      "(flux1-dev.safetensors)"), ("clip_l", "CLIP_L", "clip_l.safetensors"),
+                     ("t5xxl", "T5XXL", "t5xxl_fp16.safetensors"), ("ae", "AE", "ae.safetensors"))),
+    "sdxl_train_network.py": Script(
+        "sdxl_train_network.py", "sdxl", SDXL_OPTIONS, "pretrained_model_name_or_path", "sdxl-base",
+        _same("sdxl-base"), clips=("text_encoder", "text_encoder_2"), t5=(), caches_text=True,
+        previews=_SD_PREVIEWS, lora_blocks=UNET_LORA_BLOCKS, lora_convs=True,
+        model_files=(("pretrained_model_name_or_path", "SDXL_MODEL", "the SDXL checkpoint .safetensors"),)),
+    "sd3_train_network.py": Script(
+        "sd3_train_network.py", "sd3", SD3_OPTIONS, "pretrained_model_name_or_path", "sd35-large",
+        _same("sd35-large"), clips=("text_encoder", "text_encoder_2"), t5=("text_encoder_3",), caches_text=True,
+        previews=_SD3_PREVIEWS, swap=_list_swap("transformer_blocks"), most_swapped=_list_most("num_layers", 38),
+        network_module="networks.lora_sd3",
+        model_files=(("pretrained_model_name_or_path", "SD3_MODEL", "the SD3 checkpoint .safetensors"),
+                     ("clip_l", "CLIP_L", "clip_l.safetensors"), ("clip_g", "CLIP_G", "clip_g.safetensors"),
+                     ("t5xxl", "T5XXL", "t5xxl_fp16.safetensors"))),
+    "train_network.py": Script(
+        "train_network.py", "sd15", SD15_OPTIONS, "pretrained_model_name_or_path", "sd15", _same("sd15"),
+        clips=("text_encoder",), t5=(), caches_text=False, previews=_SD_PREVIEWS, lora_blocks=UNET_LORA_BLOCKS,
+        lora_convs=True,
+        model_files=(("pretrained_model_name_or_path", "SD15_MODEL", "the SD 1.5 checkpoint .safetensors"),)),
+    "lumina_train_network.py": Script(
+        "lumina_train_network.py", "lumina2", LUMINA_OPTIONS, "pretrained_model_name_or_path", "lumina2",
+        _same("lumina2"), clips=("text_encoder",), t5=(), caches_text=True, previews=_LUMINA_PREVIEWS,
+        swap=_list_swap("layers"), most_swapped=_list_most("num_layers", 26), network_module="networks.lora_lumina",
+        model_files=(("pretrained_model_name_or_path", "LUMINA_MODEL", "the Lumina Image 2.0 .safetensors"),
+                     ("gemma2", "GEMMA2", "gemma_2_2b_fp16.safetensors"), ("ae", "AE", "ae.safetensors"))),
+}
+# flux_train_network.py --model_type chroma (library/flux_train_utils.py :684): Chroma, a Flux without
+# CLIP-L (FluxNetworkTrainer.assert_extra_args: use_clip_l False, apply_t5_attn_mask required).
+CHROMA = Script("flux_train_network.py", "chroma", FLUX_OPTIONS, "pretrained_model_name_or_path", "chroma",
+                _same("chroma"), clips=(), t5=("text_encoder",), caches_text=True, previews=_FLUX_PREVIEWS,
+                swap=_flux_swap, most_swapped=_flux_most, model_type="chroma", network_module="networks.lora_flux",
+                model_files=(("pretrained_model_name_or_path", "CHROMA_MODEL", "the Chroma .safetensors"),
+                             ("t5xxl", "T5XXL", "t5xxl_fp16.safetensors"), ("ae", "AE", "ae.safetensors")))
+# The script each model family trains with, and the options that name the model to it.
+FAMILIES = {"flux": ("flux_train_network.py", {}), "sdxl": ("sdxl_train_network.py", {}),
+            "sd3": ("sd3_train_network.py", {}), "sd15": ("train_network.py", {}),
+            "lumina2": ("lumina_train_network.py", {}),
+            "chroma": ("flux_train_network.py", {"model_type": "chroma", "apply_t5_attn_mask": True})}
 # Scripts of sd-scripts that fitfinder knows and does not follow yet, named so a job of one is told so.
-TO_COME = ("sdxl_train_network.py", "sd3_train_network.py", "train_network.py", "lumina_train_network.py",
-           "anima_train_network.py", "hunyuan_image_train_network.py")
+TO_COME = ("anima_train_network.py", "hunyuan_image_train_network.py")
 
 
 def infer_script(flat: dict[str, Any]) -> str | None:
-    """The script a config TOML is for, where its keys decide it (t5xxl with ae: FLUX.1's, as
-    flux_train_utils.add_flux_train_arguments declares them)."""
-    if {"t5xxl", "ae"} <= set(flat) or flat.get("network_module") == "networks.lora_flux":
+    """The script a config TOML is for, where its keys decide it: each script's own model options
+    (flux_train_utils.add_flux_train_arguments: t5xxl with ae; sd3_train_utils: clip_g with t5xxl;
+    lumina_train_util: gemma2) or its LoRA module (networks.lora_flux, lora_sd3, lora_lumina; SDXL's
+    and SD 1.5's networks.lora is both's, so it does not decide)."""
+    keys, module = set(flat), str(flat.get("network_module") or "")
+    if {"clip_g", "t5xxl"} <= keys or module == "networks.lora_sd3":
+        return "sd3_train_network.py"
+    if {"t5xxl", "ae"} <= keys or module == "networks.lora_flux":
         return "flux_train_network.py"
+    if "gemma2" in keys or module == "networks.lora_lumina":
+        return "lumina_train_network.py"
     return None
 
 
@@ -250,18 +195,52 @@ def options(script: Script) -> dict[str, Option]:
     return script.options
 
 
+def for_family(family: str) -> tuple[Script, dict[str, Any]] | None:
+    """The Script that trains `family`, and its own options for the model (Chroma's --model_type)."""
+    if family not in FAMILIES:
+        return None
+    name, own = FAMILIES[family]
+    return (CHROMA if own.get("model_type") == "chroma" else SCRIPTS[name]), dict(own)
+
+
+def model_files(script: Script, own: dict[str, Any]) -> tuple[tuple[str, str, str], ...]:
+    return script.model_files
+
+
+def for_model_type(job: KohyaJob) -> None:
+    """flux_train_network.py trains Chroma with --model_type chroma: the job takes Chroma's Script."""
+    if job.script.name == "flux_train_network.py":
+        model_type = str(job.get("model_type") or "flux")
+        if model_type not in ("flux", "chroma"):
+            raise UserError(f"{job.source}: --model_type {model_type}: flux_train_network.py trains flux or chroma "
+                            "(library/flux_train_utils.py :684)")
+        job.script = CHROMA if model_type == "chroma" else SCRIPTS["flux_train_network.py"]
+
+
 def check(job: KohyaJob) -> None:
     """What fitfinder reads, checked at once; what it does not follow, named."""
-    if str(job.get("model_type") or "flux") != "flux":
-        raise UserError(f"{job.source}: --model_type {job.get('model_type')}: fitfinder follows FLUX.1 (dev, "
-                        "schnell) in flux_train_network.py; Chroma is to come")
+    for_model_type(job)
+    script = job.script
     if not job.get("network_dim"):
         raise UserError(f"{job.source}: network_dim: missing; train_network.py creates the LoRA with it")
-    if str(job.get("network_module") or "") not in ("networks.lora_flux", ""):
-        job.notes.append(f"--network_module {job.get('network_module')} is probed as networks.lora_flux's LoRA")
+    if script.family == "sd15" and job.get("v2"):
+        raise UserError(f"{job.source}: --v2: Stable Diffusion 2 is not followed; fitfinder follows train_network.py "
+                        "with SD 1.x checkpoints")
+    if script.model_type == "chroma" and not job.get("apply_t5_attn_mask"):
+        raise UserError(f"{job.source}: --model_type chroma without --apply_t5_attn_mask: flux_train_network.py "
+                        "refuses it (FluxNetworkTrainer.assert_extra_args)")
+    if (job.get("fp8_base") or job.get("fp8_base_unet")) and _kohya.dtype_of_precision(job.get("mixed_precision")) \
+            == "fp32":
+        raise UserError(f"{job.source}: fp8_base needs --mixed_precision fp16 or bf16 (train_network.py train: "
+                        "'fp8_base requires mixed precision')")
     if job.get("blocks_to_swap") and job.get("cpu_offload_checkpointing"):
-        raise UserError(f"{job.source}: blocks_to_swap with cpu_offload_checkpointing: flux_train_network.py "
-                        "refuses the two together (FluxNetworkTrainer.assert_extra_args)")
+        raise UserError(f"{job.source}: blocks_to_swap with cpu_offload_checkpointing: {script.name} refuses the "
+                        "two together (assert_extra_args)")
+    _kohya.check_swap(job, max_blocks_to_swap(job, job.architecture_spec()["arch"]) if script.swap else None)
+    network_args = [str(arg) for arg in job.get("network_args") or []]
+    if script.family in ("sdxl", "sd15") and any(arg.startswith("conv_dim") for arg in network_args):
+        job.notes.append("--network_args conv_dim (LoRA on the 3x3 convolutions) is not modelled: the estimate may "
+                         "be low")
     _kohya.not_modelled(job, {
         "cpu_offload_checkpointing": "checkpoints kept in host memory: the estimate may be high",
         "fused_backward_pass": "the estimate may be high",
@@ -272,8 +251,10 @@ def check(job: KohyaJob) -> None:
         "deepspeed": "DeepSpeed's placement is not followed",
         "torch_compile": "compiled graphs may hold other buffers",
     })
-    if not job.get("network_train_unet_only"):
-        job.notes.append("--network_train_unet_only is not set: CLIP-L's LoRA is not modelled (the estimate may be "
+    if not job.get("network_train_unet_only") and (script.clips or script.family == "lumina2"):
+        names = {"flux": "CLIP-L's", "sd3": "CLIP-L's and CLIP-G's", "sdxl": "both CLIPs'", "sd15": "CLIP's",
+                 "lumina2": "Gemma2's"}.get(script.family, "the text encoders'")
+        job.notes.append(f"--network_train_unet_only is not set: {names} LoRA is not modelled (the estimate may be "
                          "low)")
 
 
@@ -311,27 +292,17 @@ def dataset_edits(job: KohyaJob, changes: dict[str, Any]) -> tuple[dict, dict]:
 
 
 # -- knobs, in sd-scripts' names ----------------------------------------------------------------------
-def max_blocks_to_swap(arch: dict) -> int:
-    """Flux.enable_block_swap (library/flux_models.py): n blocks swap n//2 double blocks and
-    (n - n//2) * 2 single ones, at most two fewer than each kind has; the largest n that allows."""
-    transformer = arch["parts"]["transformer"]
-    double, single = int(transformer.get("num_layers", 19)), int(transformer.get("num_single_layers", 38))
-    most = 0
-    for n in range(1, double + single + 1):
-        if n // 2 <= double - 2 and (n - n // 2) * 2 <= single - 2:
-            most = n
-    return most
-
-
-def swapped_blocks(arch: dict, n: int) -> dict[str, int]:
-    """The blocks whose weights stay in host memory (diffusers' names for BFL's double and single blocks)."""
-    return {"transformer_blocks": n // 2, "single_transformer_blocks": (n - n // 2) * 2} if n else {}
+def max_blocks_to_swap(job: KohyaJob, arch: dict) -> int:
+    most = job.script.most_swapped
+    return most(arch) if most else 0
 
 
 def quantize_knob(job: KohyaJob) -> KnobSpec:
-    """fp8_base: the DiT in float8_e4m3fn (and the text encoders, unless fp8_base_unet)."""
+    """fp8_base: the denoiser in float8_e4m3fn (and the text encoders, unless fp8_base_unet)."""
     desired = "8bit" if job.get("fp8_base") or job.get("fp8_base_unet") else "none"
     values = ("8bit", "none") if desired == "none" else ("8bit",)
+    if _kohya.dtype_of_precision(job.get("mixed_precision")) == "fp32":
+        values = ("none",)  # train_network.py refuses fp8_base without mixed precision
 
     def write(target: KohyaJob, level: str, space) -> None:
         target.set("fp8_base", level == "8bit")
@@ -343,8 +314,9 @@ def quantize_knob(job: KohyaJob) -> KnobSpec:
 
 
 def text_encoder_knob(job: KohyaJob) -> KnobSpec | None:
-    if job.get("cache_text_encoder_outputs") or job.get("cache_text_encoder_outputs_to_disk"):
-        return None  # already off the device while training
+    if not job.script.caches_text or job.get("cache_text_encoder_outputs") \
+            or job.get("cache_text_encoder_outputs_to_disk"):
+        return None  # no caching in the script (train_network.py), or already off the device while training
 
     def write(target: KohyaJob, mode: str, space) -> None:
         target.set("cache_text_encoder_outputs", mode == "cache")
@@ -357,13 +329,13 @@ def knob_specs(job: KohyaJob) -> list[KnobSpec]:
     arch = job.architecture_spec()["arch"]
     found = [_kohya.buckets_knob(job), _kohya.rank_knob(job), quantize_knob(job),
              _kohya.optimizer_knob(job, DEFAULT_OPTIMIZER),
-             _kohya.sampling_knob(job), text_encoder_knob(job), _kohya.batch_knob(job),
+             _kohya.sampling_knob(job), _kohya.sample_size_knob(job), text_encoder_knob(job), _kohya.batch_knob(job),
              _kohya.switch_knob("gradient_checkpointing", "gradient_checkpointing", job, frozenset({"train"}), True),
-             _kohya.swap_knob(job, max_blocks_to_swap(arch), frozenset({"sample", "train", "last_sample"}))]
+             _kohya.swap_knob(job, max_blocks_to_swap(job, arch), frozenset({"sample", "train", "last_sample"}))]
     return [knob for knob in found if knob is not None and len(knob.candidates) > 1]
 
 
-# -- the recipe: what flux_train_network.py holds on the card in each phase -----------------------------
+# -- the recipe: what NetworkTrainer.train holds on the card in each phase ------------------------------
 def architecture_spec(job: KohyaJob) -> dict:
     script = job.script
     return _kohya.architecture(job, script.family, script.default_arch, script.checkpoint, script.decide)
@@ -378,51 +350,73 @@ def phases_run(job: KohyaJob, point: dict) -> list[str]:
             if phase not in skipped]
 
 
-def recipe(job: KohyaJob, arch: dict) -> dict[str, Any]:
-    """flux_train_network.py's recipe as the probe's `trainer` field (probe/protocol.py TrainerRecipe).
+def _encoder_forms(job: KohyaJob, dtype: str, cached_te: bool) -> dict[str, str]:
+    """Each text encoder's weights on the card. train_network.py train: with --fp8_base (not
+    fp8_base_unet) an encoder on the card when training starts is cast to float8_e4m3fn
+    (te_weight_dtype; prepare_text_encoder_fp8 keeps its embeddings, and T5XXL's norms, in the weight
+    dtype). In the caching pass (cache_text_encoder_outputs_if_needed) the CLIPs are cast to the weight
+    dtype ("always not fp8"), T5XXL is kept as its file is with --fp8_base (an fp8 file stays fp8, an
+    fp16 one is cast to the weight dtype), and they leave the card before training."""
+    te_fp8 = bool(job.get("fp8_base")) and not job.get("fp8_base_unet")
+    forms = {name: "fp8" if te_fp8 and not cached_te else dtype for name in job.script.clips}
+    for name in job.script.t5:
+        key = "t5xxl" if job.script.family in ("flux", "chroma", "sd3") else ""
+        t5_file = _kohya.part_dtype(job, key, dtype) if key else dtype
+        forms[name] = "fp8" if te_fp8 and (t5_file == "fp8" or not cached_te) else dtype
+    if job.script.family == "lumina2":  # Gemma2 is loaded in the weight dtype (lumina_util.load_gemma2)
+        forms = {"text_encoder": "fp8" if te_fp8 and not cached_te else dtype}
+    return forms
 
-    - Load: every part in host memory (FluxNetworkTrainer.load_target_model loads to "cpu"); the
-      DiT in float8_e4m3fn with --fp8_base (cast there, or read as is from an fp8 file).
-    - Latents: with --cache_latents the AE alone on the card (NetworkTrainer.train: vae.to(device),
-      new_cache_latents, vae.to("cpu")), vae_batch_size images at a time (default 1).
-    - Text: with --cache_text_encoder_outputs CLIP-L and T5XXL alone on the card
-      (cache_text_encoder_outputs_if_needed moves the DiT and AE to the CPU first, unless --lowram),
-      text_encoder_batch_size captions at a time (else the dataset's batch_size), then back to the CPU
-      and deleted before training (is_text_encoder_not_needed_for_training). T5XXL as its file is with
-      --fp8_base (fp8 file: float8 weights, norms and embeddings in the weight dtype,
-      prepare_text_encoder_fp8), else cast to the weight dtype. Without caching both stay on the card.
-    - Train: the DiT on the card (prepare_unet_with_accelerator; with --blocks_to_swap every block but
-      the swapped ones' Linear weights, move_to_device_except_swap_blocks), the LoRA in fp32 (its
-      modules are made in fp32; --full_bf16 is not followed), every DiT call under
-      accelerator.autocast(), so an fp8 weight is upcast per layer (one layer's bf16 copy at a time,
-      held for the backward only inside a checkpointed block).
-    - Previews: the DiT denoises; the AE comes to the card for the decode only and goes back
-      (flux_train_utils.sample_image_inference: ae.to(device) ... ae.to(org_vae_device)).
+
+def recipe(job: KohyaJob, arch: dict) -> dict[str, Any]:
+    """The script's recipe as the probe's `trainer` field (probe/protocol.py TrainerRecipe).
+
+    - Load: every part in host memory (each load_target_model loads to "cpu"); the denoiser in
+      float8_e4m3fn with --fp8_base or --fp8_base_unet (FLUX.1, SD3, Lumina: cast there or read as is
+      from an fp8 file; SD 1.5 and SDXL: `unet.to(dtype=unet_weight_dtype)` in train()).
+    - Latents: with --cache_latents the VAE alone on the card (NetworkTrainer.train: vae.to(device,
+      dtype=vae_dtype), new_cache_latents, vae.to("cpu")), vae_batch_size images at a time (default 1);
+      vae_dtype is fp32 with --no_half_vae, else the weight dtype.
+    - Text: with --cache_text_encoder_outputs the encoders alone on the card (the denoiser and VAE moved
+      to the CPU first, unless --lowram), text_encoder_batch_size captions at a time (else the dataset's
+      batch_size), then back to the CPU before training; an encoder whose LoRA trains (no
+      --network_train_unet_only: the CLIPs, Gemma2) stays on the card (`if not
+      self.is_train_text_encoder(args)`). Without caching (and always in train_network.py and SDXL without
+      the flag) every encoder stays on the card for training.
+    - Train: the denoiser on the card (prepare_unet_with_accelerator; with --blocks_to_swap every block
+      but the swapped ones' Linear weights, move_to_device_except_swap_blocks), the LoRA in fp32 (its
+      modules are made in fp32; --full_bf16 is not followed), every denoiser call under
+      accelerator.autocast(), so an fp8 weight is upcast per layer.
+    - Previews: the denoiser denoises; the VAE comes to the card for the decode only (FLUX.1, SD3,
+      Lumina), or for the whole preview (SD 1.5 and SDXL: sample_images_common moves it first and back
+      after); the encoders that left the card stay off (their sample prompts were cached with the captions).
     """
+    script = job.script
+    family = _kohya.family(script.family)
     dtype = _kohya.dtype_of_precision(job.get("mixed_precision"))
     fp8 = bool(job.get("fp8_base") or job.get("fp8_base_unet"))  # assert_extra_args: fp8_base_unet sets fp8_base
-    te_fp8 = fp8 and not job.get("fp8_base_unet")
-    cached_te = bool(job.get("cache_text_encoder_outputs") or job.get("cache_text_encoder_outputs_to_disk"))
+    cached_te = script.caches_text and bool(job.get("cache_text_encoder_outputs")
+                                            or job.get("cache_text_encoder_outputs_to_disk"))
     cached_latents = bool(job.get("cache_latents") or job.get("cache_latents_to_disk"))
-    t5_file = _kohya.part_dtype(job, "t5xxl", dtype)
-    if te_fp8 and (t5_file == "fp8" or not cached_te):
-        t5 = "fp8"  # read as is from an fp8 file; or, kept for training, cast in train() (te_weight_dtype)
-    else:
-        t5 = dtype  # cast to the weight dtype on the card (cache_text_encoder_outputs_if_needed)
-    clip = "fp8" if te_fp8 and not cached_te else dtype  # caching: "always not fp8"
-    encoders = ["text_encoder", "text_encoder_2"]
-    train = ["transformer"] + ([] if cached_te else encoders) + ([] if cached_latents else ["vae"])
-    swap = int(job.get("blocks_to_swap") or 0)
+    encoders = list(family.text_encoders)
+    trained_encoders = [] if job.get("network_train_unet_only") else [e for e in encoders if e not in script.t5]
+    kept = encoders if not cached_te else trained_encoders
+    denoiser = family.denoisers[0]
+    train = [denoiser] + kept + ([] if cached_latents else ["vae"])
+    sample = train + (["vae"] if script.previews.vae_throughout and cached_latents else [])
+    swap = min(int(job.get("blocks_to_swap") or 0), max_blocks_to_swap(job, arch))
     return {
-        "name": REPO, "script": job.script.name,
-        "weights": {"transformer": "fp8" if fp8 else dtype, "text_encoder": clip, "text_encoder_2": t5,
+        "name": REPO, "script": script.name,
+        "weights": {denoiser: "fp8" if fp8 else dtype, **_encoder_forms(job, dtype, cached_te),
                     "vae": "fp32" if job.get("no_half_vae") else dtype},
         "residency": {"load": [], "text_encoder": encoders, "latents": ["vae"] if cached_latents else train,
-                      "sample": train, "train": train, "last_sample": train},
+                      "sample": sample, "train": train, "last_sample": sample},
         "decode": ["vae"],
         "autocast": dtype if dtype != "fp32" else None,
-        "swapped": swapped_blocks(arch, min(swap, max_blocks_to_swap(arch))),
+        "swapped": script.swap(arch, swap) if script.swap and swap else {},
         "lora_input_cast": False,
+        **({"lora_blocks": script.lora_blocks} if script.lora_blocks else {}),
+        **({"lora_convs": script.lora_convs} if script.lora_convs is not None else {}),
         "text_batch": int(job.get("text_encoder_batch_size") or job.get("datasets[0].batch_size")),
         "latent_batch": int(job.get("vae_batch_size") or 1),
     }
@@ -430,10 +424,11 @@ def recipe(job: KohyaJob, arch: dict) -> dict[str, Any]:
 
 def probe_request(job: KohyaJob, **run) -> dict:
     spec = run.pop("spec", None) or job.model_spec()
-    arch = spec["arch"]
+    previews = job.script.previews
     prompts = _kohya.prompt_lines(job)
-    sample = _kohya.sample_settings(job, prompts, width=512, height=512, steps=20, guidance_key="g",
-                                    guidance=3.5, first=phases_run(job, {}), sample_steps=run.pop("sample_steps"))
-    if prompts and any(float(p.get("l", 1.0) or 1.0) != 1.0 for p in prompts):
+    sample = _kohya.sample_settings(job, prompts, width=previews.width, height=previews.height, steps=previews.steps,
+                                    guidance_key=previews.guidance_key, guidance=previews.guidance,
+                                    first=phases_run(job, {}), sample_steps=run.pop("sample_steps"))
+    if previews.guidance_key == "g" and prompts and any(float(p.get("l", 1.0) or 1.0) != 1.0 for p in prompts):
         _kohya._note(job, "--l (CFG) previews run the DiT twice: not modelled, the previews' estimate may be low")
-    return _kohya.request(job, spec, recipe(job, arch), sample, rank_ignore=[], **run)
+    return _kohya.request(job, spec, recipe(job, spec["arch"]), sample, rank_ignore=[], **run)

@@ -35,6 +35,9 @@ class StorageTracker(TorchDispatchMode):
         self.live_bytes = 0
         self.peak_bytes = 0
         self.paused = 0  # > 0 while tensors are made in host memory (meter.host())
+        # Storages that stay in host memory however ops view them (a kohya trainer's swapped blocks'
+        # weights, which its layers use in place): a view an op returns would count them again.
+        self.in_host: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
@@ -58,6 +61,8 @@ class StorageTracker(TorchDispatchMode):
         except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
             return
         key, size = storage._cdata, storage.nbytes()
+        if key in self.in_host:
+            return
         old = self.live.get(key)
         if old == size:
             return
@@ -77,6 +82,19 @@ class StorageTracker(TorchDispatchMode):
     def _grown(self, key: int, size: int, old: int) -> None:
         self.live_bytes += size - old
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def hold_in_host(self, tensor: torch.Tensor) -> None:
+        """Stop counting a tensor's storage and never count it again, views of it included, while it
+        lives (its key may be a new storage's after it dies)."""
+        self.drop(tensor)
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        key = storage._cdata
+        if key not in self.in_host:
+            self.in_host.add(key)
+            weakref.finalize(storage, self.in_host.discard, key)
 
     def drop(self, tensor: torch.Tensor) -> None:
         """Stop counting a tensor's storage (it left the simulated device)."""

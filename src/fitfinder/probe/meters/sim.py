@@ -81,6 +81,11 @@ class SimMeter(PhaseClock):
         for tensor in tensors_of(*objects):
             self.tracker.drop(tensor)
 
+    def hold_in_host(self, *tensors: torch.Tensor) -> None:
+        """Tensors that stay in host memory while the device's ops use them in place (StorageTracker.hold_in_host)."""
+        for tensor in tensors:
+            self.tracker.hold_in_host(tensor)
+
     def to_device(self, obj: Any) -> Any:
         """Bring a module or tensor onto the (simulated) device: it counts from now on."""
         self.register(obj)
