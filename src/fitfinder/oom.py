@@ -26,6 +26,7 @@ Every pattern is bounded, so a log costs what its length costs (a 20,000-digit l
 
 from __future__ import annotations
 
+import itertools
 import re
 import traceback
 from dataclasses import dataclass, field, replace
@@ -497,11 +498,12 @@ def log_follower():
     """A follower of a log read as it streams, by scan_log's rules: call it with each line as it
     comes (tqdm's redraws within it included); it returns the LogPosition after that line."""
     walk = _Walk()
+    records = itertools.count()  # scan_log's record index: one per line and per redraw within it
 
     def follow(line: str) -> LogPosition:
         for part in line.split("\r"):
             if part.strip():
-                _follow_phase(walk, part)
+                _follow_phase(walk, next(records), part)
         return LogPosition(walk.phase, walk.training_started, walk.step_done, walk.total_steps)
 
     return follow
