@@ -131,6 +131,13 @@ def search(
         detail = (f"; the lightest point tried (trial {lightest.trial}: {space_.describe(lightest.point)}) "
                   f"peaked at {format_bytes(lightest.peak_bytes)}" if lightest else "")
         out.line(f"report: {report_file}")
+        if not summary.finished:  # stopped by --trials: nothing is proven not to fit
+            raise RunFailed(f"no fit found in the {summary.probes_run} probes of the trial cap (--trials "
+                            f"{summary.trial_cap}){detail}; lighter points are still untried: run again with a "
+                            "larger --trials (the study resumes)")
+        if summary.excluded:  # a point that could not be probed may fit
+            raise RunFailed(f"no fit found in {format_bytes(summary.budget_bytes)} among the points that could be "
+                            f"probed; {summary.proven_around()}{detail}; see their logs in {results_dir / name}/probes")
         raise RunFailed(f"nothing fits in {format_bytes(summary.budget_bytes)}{detail}; "
                         "try a larger --vram, or lighter candidates in the `fitfinder:` section")
     rows = [[row["knob"], space_.by_name[row["knob"]].label(row["desired"]),
@@ -139,7 +146,7 @@ def search(
     out.table(["knob", "desired", "chosen", "", "forced by"], rows)
     out.line(f"best: {space_.describe(summary.best_point)}  peak {format_bytes(summary.best.peak_bytes)} "
              f"of {format_bytes(summary.budget_bytes)}  ({summary.probes_run} probes"
-             f"{'' if summary.proven else ', not proven: trial cap reached'}"
+             f"{'' if summary.finished else ', not proven: trial cap reached'}"
              f"{'; ' + summary.proven_around() if summary.excluded else ''})")
     out.line(f"wrote {summary.best_file}")
     out.line(f"report: {report_file}")
@@ -280,6 +287,9 @@ def _estimate_search(job, runner, model, out) -> None:
     found = estimated.search(job, runner, model, on_estimate)
     out.result(found.as_json())
     space = found.space
+    if found.best is None and not found.proven:  # stopped by --trials: nothing is proven not to fit
+        raise RunFailed(f"no point predicted to fit in the {found.estimates_run} estimates of the cap (--trials "
+                        f"{job.settings.trials}); lighter points are still unestimated: give a larger --trials")
     if found.best is None:
         raise RunFailed(f"nothing is predicted to fit in {format_bytes(found.budget_bytes)} "
                         f"({found.estimates_run} estimates)")
@@ -315,7 +325,7 @@ def tiers(
 ) -> None:
     """The best configuration predicted to fit each card size, on estimates (no GPU): results/NAME/tiers.json."""
     from fitfinder.probe import estimate as estimating, overhead
-    from fitfinder.search import tiers as tiering
+    from fitfinder.search import outputs, tiers as tiering
     from fitfinder.results.output import Output
     from fitfinder.units import format_bytes
 
@@ -326,15 +336,16 @@ def tiers(
         raise UserError("--card and --no-overhead contradict each other: give one of them")
     model = overhead.GpuOverhead.none() if no_overhead else (
         overhead.for_card(card) if card is not None else overhead.GpuOverhead())
+    out_dir = results_dir / _study_name(study or job.name)
+    _check_outputs(job, out_dir, None, outputs.TIERS)  # before the estimates, not after them
     out.note(f"estimating {job_file} for {len(sizes)} card sizes: {model.describe()}")
 
     def on_tier(space, tier) -> None:
         found = (f"peak {format_bytes(tier.peak_bytes)}  {tier.differs or 'the job as written'}" if tier.point
-                 else "nothing fits")
+                 else "nothing fits" if tier.proven else "none found before the estimate cap")
         out.note(f"{tier.label}: {found}")
 
     table = tiering.compute(job, estimating.InProcess(job.settings.probe_timeout), model, sizes, on_tier)
-    out_dir = results_dir / _study_name(study or job.name)
     path = tiering.write_json(table, out_dir)
     written = tiering.write_jobs(job, table, out_dir) if write else []
     out.result({**table.as_json(), "tiers_json": str(path), "written": [str(p) for p in written]})
@@ -402,20 +413,23 @@ def report(
     from fitfinder import search as searching
     from fitfinder.results import report as reporting
     from fitfinder.results.output import Output
+    from fitfinder.search import outputs
 
     out = Output(json_output)
     _check_name(name)
     view = reporting.open_study(name, studies_dir, storage, job)
     out_dir = results_dir / name
     reporting.check_output_dir(out_dir, "--results-dir")
+    outputs.check(job or view.study.user_attrs.get("job_file") or "", results_dir, name, None, outputs.REPORT)
     best_file = out_dir / "best.yaml"
     summary = searching.summarize(view.study, view.space, view.known, view.url,
                                   best_file if best_file.exists() else None)
     paths = reporting.write_results(summary, out_dir)
     out.result({**summary.as_json(), "report": str(paths["report"]), "summary": str(paths["summary"]),
                 "trials_csv": str(paths["trials"])})
+    found = "a fit" if summary.best else "nothing fits" if summary.proven else "no fit found yet"
     out.line(f"wrote {paths['report']}, {paths['summary'].name} and {paths['trials'].name} "
-             f"({len(view.known.results)} probes, {'a fit' if summary.best else 'nothing fits'})")
+             f"({len(view.known.results)} probes, {found})")
 
 
 @app.command()
@@ -501,15 +515,17 @@ def _load(job_file: Path, vram: Optional[str] = None, names: Optional[dict] = No
     return job
 
 
-def _check_outputs(job, out_dir: Path, studies_dir: Optional[Path]) -> None:
-    """What would fail only after the probes, refused before anything is written: the space and
-    an output folder that cannot be written (the model's weights and the job file being the winner
-    it would overwrite: search.loop._refuse_before_writing)."""
+def _check_outputs(job, out_dir: Path, studies_dir: Optional[Path], writes: Optional[tuple] = None) -> None:
+    """What would fail only after the probes, refused before anything is written: the space, an
+    output folder that cannot be written, the job file among the outputs or a link in their way
+    (search.outputs; a search checks those and the model's weights in search.loop._refuse_before_writing)."""
     from fitfinder import space
     from fitfinder.results import report
+    from fitfinder.search import outputs
 
     space.build(job)  # bad candidates
     report.check_output_dir(out_dir, "--results-dir")
+    outputs.check(job.source, out_dir.parent, out_dir.name, None, writes or outputs.SEARCH)
     if studies_dir is not None:
         report.check_output_dir(studies_dir, "--studies-dir")
 

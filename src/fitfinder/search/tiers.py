@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fitfinder import files
 from fitfinder.errors import UserError
 from fitfinder.jobconfig import write_atomic
 from fitfinder.probe.estimate import Estimator
 from fitfinder.search import estimated, planner
-from fitfinder.units import format_bytes
+from fitfinder.units import MAX_BUDGET, MIN_BUDGET, format_bytes
 
 GiB = 2**30
 DEFAULT_CARDS = (8, 12, 16, 24, 32, 48, 80, 96)
@@ -81,9 +82,11 @@ def parse_cards(text: str) -> tuple[float, ...]:
         try:
             size = float(item.removesuffix("GiB").removesuffix("GB"))
         except ValueError:
-            raise UserError(f"--cards: {item!r} is not a size in GiB (e.g. --cards 8,12,24)") from None
-        if size <= 0:
-            raise UserError(f"--cards: sizes must be positive, got {item}")
+            raise UserError(f"--cards: {item[:40]!r} is not a size in GiB (e.g. --cards 8,12,24)") from None
+        # The budgets --vram takes: nan and inf were tracebacks, 1e-300 a card of 0 bytes.
+        if not MIN_BUDGET <= size * GiB <= MAX_BUDGET:  # false for nan too
+            raise UserError(f"--cards: sizes in GiB must be between 1/1024 (1 MiB) and 1048576 (1 PiB), "
+                            f"got {item[:40]}")
         cards.append(size)
     if not cards:
         raise UserError("--cards: give at least one card size in GiB (e.g. --cards 8,12,24)")
@@ -124,7 +127,8 @@ def rows(tiers: list[dict[str, Any]]) -> list[list[str]]:
     for tier in tiers:
         label = f"{tier['card_gib']:g} GiB"
         if not tier["fits"]:
-            lines.append([label, "-", "nothing is predicted to fit", ""])
+            found = "nothing is predicted to fit" if tier["proven"] else "none found before the estimate cap"
+            lines.append([label, "-", found, ""])
             continue
         unproven = "" if tier["proven"] else " (estimate cap reached)"
         lines.append([label, format_bytes(tier["peak_bytes"]), (tier["differs"] or "the job as written") + unproven,
@@ -159,8 +163,8 @@ def write_jobs(job, table: TierTable, out_dir: Path) -> list[Path]:
 
 
 def read_json(out_dir: Path) -> dict[str, Any] | None:
-    path = Path(out_dir) / "tiers.json"
+    """tiers.json, or None when it is missing or unreadable (a FIFO there would block the read)."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        return json.loads(files.read_bounded(Path(out_dir) / "tiers.json", 16 << 20))
+    except (UserError, ValueError):
         return None
