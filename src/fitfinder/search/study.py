@@ -488,11 +488,15 @@ def _sqlite_lock(url: str):
 
 
 def _twin_in(earlier: list) -> int | None:
-    """The first of these earlier trials of a point that did not fail: it is the one to probe."""
+    """The first of these earlier trials of a point that did not fail: it is the one to probe. A
+    finished one whose facts `read` does not take as a result (changed by hand) is none: it is why
+    the point is planned again, and taking it for a twin failed every new claim, for ever."""
     from optuna.trial import TrialState
 
     for other in earlier:
-        if other.state != TrialState.FAIL and other.user_attrs.get("status") != "decided":
+        if other.state == TrialState.FAIL or other.user_attrs.get("status") == "decided":
+            continue
+        if other.state == TrialState.RUNNING or facts_readable(other.user_attrs):
             return other.number
     return None
 
