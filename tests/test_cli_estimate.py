@@ -108,6 +108,13 @@ def test_search_on_estimates_finds_what_the_real_search_finds(tmp_path, demo_run
     assert not (tmp_path / "studies").exists() and not (tmp_path / "results").exists()  # nothing written
 
 
+def test_an_estimate_cap_that_stops_the_search_early_does_not_say_nothing_fits(tmp_path):
+    """Issue 35: `--trials 1` said "nothing is predicted to fit" after one estimate of the base."""
+    done = run_cli("estimate", str(DEMO), "--no-overhead", "--search", "--trials", "1", cwd=tmp_path)
+    assert done.returncode == 1 and "nothing is predicted to fit" not in done.stderr, done.stderr
+    assert "no point predicted to fit in the 1 estimates of the cap (--trials 1)" in done.stderr
+
+
 @pytest.mark.parametrize("args, expected", [
     (["nowhere.yaml"], "nowhere.yaml: no such file"),
     ([str(DEMO), "--vram", "lots"], "--vram: 'lots' is not a size"),

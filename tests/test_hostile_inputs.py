@@ -351,6 +351,180 @@ CASES["export_name_escapes"] = Case(["export", "../outside"], "../outside: not a
                                     {"outside/best.yaml": GOOD})
 CASES["report_unknown_study"] = Case(["report", "nothing"], "no study 'nothing' in studies/")
 
+# -- issue 35: the input among the outputs; links and FIFOs planted under results/ and studies/ ----------
+OUT = f"results/{NAME}"
+CASES["job_is_the_summary"] = Case(["search", f"{OUT}/summary.json"],  # it was replaced by the summary
+                                   f"{OUT}/summary.json is {OUT}/summary.json, which this command writes",
+                                   {f"{OUT}/summary.json": GOOD})
+CASES["job_is_a_probe_log"] = Case(["search", f"{OUT}/probes/trial-0000.log"],  # it was emptied by the first probe
+                                   f"{OUT}/probes/trial-0000.log is {OUT}/probes/trial-0000.log, which this command",
+                                   {f"{OUT}/probes/trial-0000.log": GOOD})
+CASES["job_is_tiers_json"] = Case(["tiers", f"{OUT}/tiers.json"], f"{OUT}/tiers.json, which this command writes",
+                                  {f"{OUT}/tiers.json": GOOD})
+CASES["job_is_a_tier_job"] = Case(["tiers", f"{OUT}/tiers/24gib.yaml", "--write"],
+                                  f"{OUT}/tiers/24gib.yaml, which this command writes",
+                                  {f"{OUT}/tiers/24gib.yaml": GOOD})
+
+
+def _hard_link(at: str):
+    def setup(folder: Path):
+        (folder / at).parent.mkdir(parents=True, exist_ok=True)
+        os.link(folder / "job.yaml", folder / at)
+
+    return setup
+
+
+def _planted(at: str, target: str):
+    """A link at `at` (under the folder) to `target`, its folders made; `target` may not exist."""
+    def setup(folder: Path):
+        (folder / at).parent.mkdir(parents=True, exist_ok=True)
+        (folder / at).symlink_to(target)
+
+    return setup
+
+
+def _fifo_at(at: str):
+    def setup(folder: Path):
+        (folder / at).parent.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(folder / at)
+
+    return setup
+
+
+def _folder_at(at: str):
+    return lambda folder: (folder / at).mkdir(parents=True)
+
+
+def _file_at(at: str):
+    def setup(folder: Path):
+        (folder / at).parent.mkdir(parents=True, exist_ok=True)
+        (folder / at).write_text("not a folder\n")
+
+    return setup
+
+
+CASES["job_hard_linked_as_a_probe_log"] = Case(["search", "job.yaml"],
+                                               f"job.yaml is {OUT}/probes/trial-0000.log (a hard link to {OUT}/probes/",
+                                               {"job.yaml": GOOD}, setup=_hard_link(f"{OUT}/probes/trial-0000.log"))
+CASES["job_hard_linked_as_the_report"] = Case(["search", "job.yaml"], f"(a hard link to {OUT}/report.html)",
+                                              {"job.yaml": GOOD}, setup=_hard_link(f"{OUT}/report.html"))
+CASES["job_linked_from_the_summary"] = Case(["search", "job.yaml"], f"{OUT}/summary.json is a link (to ../../job",
+                                            {"job.yaml": GOOD}, setup=_planted(f"{OUT}/summary.json", "../../job.yaml"))
+# A link planted where fitfinder writes: the probe's log was opened with O_TRUNC through it (its
+# target emptied), the lock created its target; a FIFO as the lock made the search wait forever.
+CASES["probe_log_a_link_outside"] = Case(["search", "job.yaml"], f"{OUT}/probes/trial-0000.log is a link (to "
+                                         "../../../victim.txt)", {"job.yaml": GOOD, "victim.txt": "keep me\n"},
+                                         setup=_planted(f"{OUT}/probes/trial-0000.log", "../../../victim.txt"))
+CASES["probes_a_link_outside"] = Case(["search", "job.yaml"], f"{OUT}/probes is a link (to ../../elsewhere)",
+                                      {"job.yaml": GOOD, "elsewhere/keep.txt": "x\n"},
+                                      setup=_planted(f"{OUT}/probes", "../../elsewhere"))
+CASES["results_name_a_link_outside"] = Case(["search", "job.yaml"], f"{OUT} is a link (to ../elsewhere)",
+                                            {"job.yaml": GOOD, "elsewhere/keep.txt": "x\n"},
+                                            setup=_planted(OUT, "../elsewhere"))
+CASES["probe_log_a_fifo"] = Case(["search", "job.yaml"], f"{OUT}/probes/trial-0000.log is not a regular file",
+                                 {"job.yaml": GOOD}, setup=_fifo_at(f"{OUT}/probes/trial-0000.log"), seconds=5)
+CASES["study_lock_a_link"] = Case(["search", "job.yaml"], f"studies/{NAME}.db.lock is a link (to ../made.txt)",
+                                  {"job.yaml": GOOD}, setup=_planted(f"studies/{NAME}.db.lock", "../made.txt"))
+CASES["study_lock_a_fifo"] = Case(["search", "job.yaml"], f"studies/{NAME}.db.lock is not a regular file",
+                                  {"job.yaml": GOOD}, setup=_fifo_at(f"studies/{NAME}.db.lock"), seconds=5)
+CASES["study_db_a_link"] = Case(["search", "job.yaml"], f"studies/{NAME}.db is a link (to ../other.db)",
+                                {"job.yaml": GOOD}, setup=_planted(f"studies/{NAME}.db", "../other.db"))
+CASES["study_journal_a_link"] = Case(["search", "job.yaml"], f"studies/{NAME}.db-journal is a link",
+                                     {"job.yaml": GOOD}, setup=_planted(f"studies/{NAME}.db-journal", "../j"))
+# Refused before the first probe, not after every one of them ran:
+CASES["best_yaml_a_folder"] = Case(["search", "job.yaml"], f"{OUT}/best.yaml is a folder, where fitfinder writes",
+                                   {"job.yaml": GOOD}, setup=_folder_at(f"{OUT}/best.yaml"))
+CASES["probes_a_file"] = Case(["search", "job.yaml"], f"{OUT}/probes is a file, where fitfinder keeps a folder",
+                              {"job.yaml": GOOD}, setup=_file_at(f"{OUT}/probes"))
+CASES["tiers_results_read_only"] = Case(["tiers", "job.yaml"], f"--results-dir results/{NAME}: results is not "
+                                        "writable", {"job.yaml": GOOD},
+                                        setup=lambda folder: read_only(folder / "results"), seconds=5)
+CASES["tiers_folder_a_file"] = Case(["tiers", "job.yaml", "--write"], f"{OUT}/tiers is a file", {"job.yaml": GOOD},
+                                    setup=_file_at(f"{OUT}/tiers"))
+CASES["tiers_json_a_fifo"] = Case(["tiers", "job.yaml"], f"{OUT}/tiers.json is not a regular file",
+                                  {"job.yaml": GOOD}, setup=_fifo_at(f"{OUT}/tiers.json"), seconds=5)
+for card in ("nan", "inf", "1e300", "1e-300", "0"):  # tracebacks, and a card of 0 bytes
+    job(f"tiers_cards_{card}", GOOD, f"--cards: sizes in GiB must be between 1/1024 (1 MiB) and 1048576 (1 PiB), got "
+        f"{card}", "--cards", card, command="tiers")
+
+
+# -- issue 35: a study storage that is not one ----------------------------------------------------------
+def _someone_elses_db(folder: Path):
+    with sqlite3.connect(folder / "someone_elses.db") as db:
+        db.execute("CREATE TABLE customers (id INTEGER)")
+
+
+CASES["storage_a_foreign_database"] = Case(["search", "job.yaml", "--storage", "sqlite:///someone_elses.db"],
+                                           "someone_elses.db is not an Optuna study database", {"job.yaml": GOOD},
+                                           setup=_someone_elses_db)  # Optuna added its 13 tables to it
+CASES["studies_db_a_foreign_database"] = Case(["search", "job.yaml"], f"studies/{NAME}.db is not an Optuna study",
+                                              {"job.yaml": GOOD, f"studies/{NAME}.db": b"SQLite format 3\0junk"})
+for url in ("sqlite:///", "sqlite://", "sqlite:///:memory:"):  # a study that ends with the search
+    job(f"storage_in_memory_{url.count('/')}{'m' if 'memory' in url else ''}", GOOD,
+        f"--storage {url}: an in-memory SQLite study ends with the search and cannot be resumed", "--storage", url)
+
+
+# -- issue 35: a local model folder's files (bounded work whatever they say) ------------------------------
+FLUX_TINY = ROOT / "src" / "fitfinder" / "archs" / "flux-tiny.json"
+LOCAL = edit("  weights: random     #", "  weights: pretrained  #",
+             edit('name_or_path: "fitfinder/flux-tiny"', 'name_or_path: "model"'))
+
+
+def _model_folder(transformer: str | None = None, kind: str = "file"):
+    """The tiny Flux as a diffusers folder `model/` (its parts' config.json, no weights), with the
+    transformer's config.json replaced by `transformer` (text), a folder or a FIFO."""
+    import json
+
+    def setup(folder: Path):
+        for part, config in json.loads(FLUX_TINY.read_text())["parts"].items():
+            (folder / "model" / part).mkdir(parents=True)
+            (folder / "model" / part / "config.json").write_text(json.dumps(config))
+        config = folder / "model" / "transformer" / "config.json"
+        if kind == "folder":
+            config.unlink()
+            config.mkdir()
+        elif kind == "fifo":
+            config.unlink()
+            os.mkfifo(config)
+        elif transformer is not None:
+            config.write_text(transformer)
+
+    return setup
+
+
+def _transformer_with(key: str, value: str) -> str:
+    import json
+
+    config = json.loads(FLUX_TINY.read_text())["parts"]["transformer"]
+    config[key] = "@"
+    return json.dumps(config).replace('"@"', value)
+
+
+CONFIG = "model/transformer/config.json"
+for name, setup, expected, command in (
+        ("million_layers", _model_folder(_transformer_with("num_layers", "1000000")),  # an hour, before
+         "num_layers: expected a number of layers, a whole number from 0 to 1024, got 1000000", "estimate"),
+        ("million_layers_search", _model_folder(_transformer_with("num_single_layers", "1000000")),
+         "num_single_layers: expected a number of layers", "search"),
+        ("not_json", _model_folder("this is not JSON\n"), "not valid JSON (Expecting value", "estimate"),
+        ("a_list", _model_folder("[1, 2]"), "expected a JSON object ({...}), got list [1, 2]", "estimate"),
+        ("a_folder", _model_folder(kind="folder"), "is a folder, not a JSON file", "search"),
+        ("a_fifo", _model_folder(kind="fifo"), "not a regular file (a FIFO or a device)", "estimate"),
+        ("nan_heads", _model_folder(_transformer_with("num_attention_heads", "NaN")), "not valid JSON (NaN is not",
+         "estimate"),
+        ("zero_heads", _model_folder(_transformer_with("num_attention_heads", "0")),
+         "num_attention_heads: expected a size, a whole number from 1 to 1048576, got 0", "estimate"),
+        ("negative_width", _model_folder(_transformer_with("attention_head_dim", "-4")),
+         "attention_head_dim: expected a size, a whole number from 1 to 1048576, got -4", "search"),
+        ("fractional_width", _model_folder(_transformer_with("joint_attention_dim", "31.5")),
+         "joint_attention_dim: expected a size, a whole number from 1 to 1048576, got 31.5", "estimate"),
+        ("huge_list", _model_folder(_transformer_with("axes_dims_rope", str([4] * 5000))),
+         "axes_dims_rope: a list of 5000 entries, at most 1024", "estimate"),
+        ("over_16_mib", _model_folder("{" + " " * (17 << 20) + "}"), "larger than 16 MiB", "estimate")):
+    CASES[f"model_config_{name}"] = Case([command, "job.yaml"], f"{CONFIG}: {expected}", {"job.yaml": LOCAL},
+                                         setup=setup, seconds=10)
+
+
 # -- export: a best.yaml edited by hand --------------------------------------------------------------
 BEST = f"results/{NAME}/best.yaml"
 for name, text, expected in (
@@ -370,11 +544,6 @@ CASES["export_no_winner"] = Case(["export", NAME], f"{BEST}: no such file")
 
 
 # -- the dashboard ----------------------------------------------------------------------------------
-def _someone_elses_db(folder: Path):
-    with sqlite3.connect(folder / "someone_elses.db") as db:
-        db.execute("CREATE TABLE customers (id INTEGER)")
-
-
 CASES["dashboard_foreign_database"] = Case(["dashboard", "sqlite:///someone_elses.db", "--port", "0"],
                                            "sqlite:///someone_elses.db: not an Optuna study database",
                                            setup=_someone_elses_db)
@@ -522,3 +691,79 @@ def test_the_batch_divisors_take_square_root_steps():
     started = time.monotonic()
     assert divisors_of(10**10)[-3:] == [2_500_000_000, 5_000_000_000, 10**10]
     assert time.monotonic() - started < 1
+
+
+# -- issue 35: bounded work, and files opened so that nothing planted there is followed --------------
+def test_a_job_with_thousands_of_prompts_or_processes_is_applied_at_once():
+    """Every probe applies its point to a copy of the job (space.apply); ruamel's own deep copy is
+    quadratic in a list's length (1000 prompts: 27 s; issue 35's 9000 prompts and 9900 `process`
+    entries stalled a search). The copy shares what the point does not change (copy-on-write):
+    the base file and its comments stay as they were."""
+    from fitfinder import jobconfig, space
+
+    prompts = "        prompts:\n" + "".join(f'          - "a photo number {i}"  # {i}\n' for i in range(3000))
+    processes = "".join(f"    - other{i}\n" for i in range(3000))
+    for text in (sample(prompts.strip()), GOOD.replace("\nmeta:", "\n" + processes + "meta:")):
+        job = jobconfig.loads(text, "job.yaml")
+        built = space.build(job)
+        started = time.monotonic()
+        lightest, desired = built.apply(job, built.lightest()), built.apply(job, built.desired())
+        seconds = time.monotonic() - started
+        assert seconds < 1, f"{seconds:.1f} s"  # copy-on-write: milliseconds; a deep copy: minutes
+        assert (lightest.get("train.batch_size"), desired.get("train.batch_size"), job.get("train.batch_size")) \
+            == (1, 4, 4)
+    written = lightest.dumps()  # the last job: its 3000 other processes kept, comments too
+    assert written.count("    - other") == 3000 and "# buckets; the largest is the memory peak" in written
+    assert job.dumps() == jobconfig.loads(text, "job.yaml").dumps()  # the base file as it was read
+
+
+def test_a_probe_log_is_never_written_through_a_link_a_fifo_or_a_second_name(tmp_path):
+    """What the probe's child does with its log (recipe.child_main): the link's target, the FIFO
+    and the hard-linked file are left as they were; a log of its own is emptied and reused."""
+    from fitfinder import files
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me\n")
+    (tmp_path / "link.log").symlink_to(victim)
+    os.link(victim, tmp_path / "second_name.log")
+    os.mkfifo(tmp_path / "fifo.log")
+    refused = {}
+    for name in ("link.log", "second_name.log", "fifo.log"):
+        started = time.monotonic()
+        with pytest.raises(OSError) as raised:
+            files.open_own(tmp_path / name, truncate=True)
+        refused[name] = raised.value
+        assert time.monotonic() - started < 1  # a FIFO with no reader is refused, not waited on
+    assert victim.read_text() == "keep me\n"
+    assert "(a hard link)" in str(refused["second_name.log"])
+    (tmp_path / "own.log").write_text("an older probe's output\n")
+    fd = files.open_own(tmp_path / "own.log", truncate=True)
+    os.write(fd, b"new\n")
+    os.close(fd)
+    assert (tmp_path / "own.log").read_text() == "new\n"
+
+
+def test_a_bounded_read_ends_on_dev_zero_a_fifo_and_a_folder(tmp_path):
+    from fitfinder import files
+    from fitfinder.errors import UserError
+
+    os.mkfifo(tmp_path / "fifo")
+    for path, expected in (("/dev/zero", "not a regular file"), (tmp_path / "fifo", "not a regular file"),
+                           (tmp_path, "is a folder")):
+        with pytest.raises(UserError) as raised:
+            files.read_bounded(path, 1 << 20)
+        assert expected in str(raised.value)
+    (tmp_path / "big").write_bytes(b"x" * (2 << 20))
+    with pytest.raises(UserError) as raised:
+        files.read_bounded(tmp_path / "big", 1 << 20)
+    assert "larger than 1 MiB" in str(raised.value)
+
+
+def test_every_shipped_architecture_passes_the_model_folder_checks():
+    """The caps on a model folder's config.json (models._checked_part) refuse no real model: every
+    shipped architecture, full-size ones included, is within them."""
+    from fitfinder import models
+
+    problems = {(stem, part): models._checked_part(config) for stem, arch in models.known_archs().items()
+                for part, config in arch["parts"].items()}
+    assert {key: problem for key, problem in problems.items() if problem} == {}

@@ -151,6 +151,61 @@ def test_nothing_fits_ends_without_a_winner():
     assert state == search.NOFIT and decider.trial == 3 and decider.phase == "load"
 
 
+def _run_with_a_point_failing_twice(space, budget: int, purpose: str):
+    """The plan with the stand-in probe, where the first point probed for `purpose` fails twice
+    (a crash: no memory fact), as a point that cannot be probed does."""
+    known = search.Knowledge(space, int(budget * 0.95))
+    steps, failing = [], []
+
+    def probe_step(step):
+        steps.append((step.purpose, dict(step.point)))
+        if step.purpose == purpose and not failing:
+            failing.append(space.key(step.point))
+        if space.key(step.point) in failing and sum(space.key(p) == failing[0] for _, p in steps) <= 2:
+            result = {"status": "error", "phase": None, "phases": {}, "peak_bytes": None, "error": "killed by SIGABRT"}
+        else:
+            result = outcome(step.point, budget)
+        return known.add(search.result_from_probe(len(steps) - 1, step, result))
+
+    finished, _ = search.drive(space, known, probe_step, 0, 200)
+    return steps, known, finished
+
+
+@pytest.mark.parametrize("budget_mib", list(range(11, 101, 3)))
+def test_a_quality_point_that_cannot_be_probed_is_unknown_not_infeasible(budget_mib):
+    """Issue 35: the first quality point fails twice. Nothing heavier is ruled out by it: its
+    level is settled through a point with a later knob one step up (planner._level_stand_in),
+    whose fit shows the failed point fits too, so the plan finds the brute-force optimum. Only
+    where every such point fails (32 MiB here) does the level stay unknown: then the failed trial
+    is named as what gave it up, and the answer is proven only around it. (Before, the level was
+    given up: 6 of these 30 budgets ended on a worse winner, 12 proven only around the point.)"""
+    space = make_space()
+    steps, known, finished = _run_with_a_point_failing_twice(space, budget_mib * MiB, "quality")
+    optimum = true_optimum(space, budget_mib * MiB)
+    winner = search.best(space, known)
+    assert finished and (winner.point if winner else None) == optimum
+    failed = next((point for purpose, point in steps if purpose == "quality"), None)
+    assert [r.point for r in known.excluded()] == ([failed] if budget_mib == 32 else [])
+    if known.excluded():
+        rows = search.explain(space, known, winner.point)
+        assert known.excluded()[0].trial in [row["forced_by"] for row in rows]
+
+
+def test_a_speed_step_that_cannot_be_probed_is_stepped_over_and_named():
+    """The first speed point (batch 2 at 17 MiB) fails twice: the climb goes on to batch 4, which
+    runs out of memory; batch 2, the true optimum, stays unknown, so the winner is batch 1 and the
+    explanation names the failed trial as what gave up batch, not a trial that ran out of memory."""
+    space = make_space()
+    steps, known, finished = _run_with_a_point_failing_twice(space, 17 * MiB, "speed")
+    excluded = known.excluded()
+    winner = search.best(space, known)
+    assert finished and [r.point["batch"] for r in excluded] == [2]
+    assert true_optimum(space, 17 * MiB) == excluded[0].point
+    assert [p["batch"] for purpose, p in steps if purpose == "speed"][:3] == [2, 2, 4]
+    row = next(r for r in search.explain(space, known, winner.point) if r["knob"] == "batch")
+    assert (row["chosen"], row["verdict"], row["forced_by"]) == (1, "given up", excluded[0].trial)
+
+
 def test_the_trial_cap_stops_the_plan_unproven():
     space = make_space()
     steps, known, _, proven = run_plan(space, 20 * MiB, max_probes=3)

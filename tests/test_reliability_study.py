@@ -11,6 +11,7 @@ import random
 import resource
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -160,28 +161,51 @@ def test_kills_at_20_random_instants_resume_to_the_same_winner(tmp_path, clean):
 def test_faulty_probes_are_retried_and_a_twice_failed_point_excludes_only_itself(tmp_path, clean):
     """Every point's first probe fails (abort, hang, silent exit or half a result line), so each
     trial of the clean run is followed by its retry; the retry of clean trial 4 (batch 2) fails
-    too, and that point alone is left out."""
+    too, and that point alone is left out: the speed climb steps over it to batch 4 (which runs out
+    of memory), and the answer is the clean one, proven only around it."""
     folder = _folder(tmp_path, "faults")
     done = _search(folder, "--timeout", "15", FITFINDER_PROBE_FAULT="*:abort,2:hang,4:silent,6:garbage,9:abort")
     assert done.returncode == 0, done.stderr
     study = _study(folder)
     trials = study.trials
     reasons = {0: "SIGABRT", 2: "15 s timeout", 4: "without a result line", 6: "no JSON result", 8: "SIGABRT",
-               9: "SIGABRT", 10: "SIGABRT", 12: "SIGABRT"}
+               9: "SIGABRT", 10: "SIGABRT", 12: "SIGABRT", 14: "SIGABRT"}
     for number, reason in reasons.items():
         assert trials[number].state == optuna.trial.TrialState.FAIL and reason in trials[number].user_attrs["error"]
     retries = [t for t in trials if t.number % 2 and t.number != 9]
+    batch_4 = [(json.dumps({**json.loads(r[0]), "batch": 4}, sort_keys=True), "speed", "oom")
+               for r in clean["results"] if r[1] == "speed" and '"batch": 2' in r[0]]
+    expected = [r for r in clean["results"] if r[1] != "speed" or '"batch": 2' not in r[0]]
     assert [(json.dumps(t.params, sort_keys=True), t.user_attrs["purpose"], t.user_attrs["status"])
-            for t in retries] == [r for r in clean["results"] if r[1] != "speed" or '"batch": 2' not in r[0]]
+            for t in retries] == expected[:4] + batch_4 + expected[4:]
     assert all(t.system_attrs["failed_trial"] == t.number - 1 for t in retries)
     # Only OOM implies dominance: nothing was decided by the excluded point's failures.
     assert not [t for t in trials if t.user_attrs.get("decided_by") in (8, 9)]
     summary = json.loads(done.stdout)
-    assert summary["best"] == clean["best"] and summary["proven"]
-    assert [e["trial"] for e in summary["excluded"]] == [9]
+    assert summary["best"] == clean["best"] and not summary["proven"]  # batch 2 might have been faster
+    assert [e["trial"] for e in summary["excluded"]] == [9] and "(trial 9)" in summary["proven_around"]
     assert trials[9].params == trials[8].params and trials[9].params["batch"] == 2
     header = (folder / "results" / NAME / "best.yaml").read_text().split("---")[0]
     assert "Proven only around trial 9" in header
+    assert "proven only around 1 point(s)" in done.stderr  # the CLI's best: line says what summary.json says
+
+
+def test_a_point_that_cannot_be_probed_rules_out_nothing_heavier(tmp_path, clean):
+    """Issue 35: the first quality point (every bucket, rank 4) fails twice. It is unknown, not
+    infeasible: the plan asks for the same buckets at rank 8, which fits and shows that rank 4
+    fits too, and goes on to the clean winner, proven (it gave up the 512 bucket, and never tried
+    rank 8 or 16 with every bucket, while summary.json said proven and the CLI did not)."""
+    folder = _folder(tmp_path, "unprobed")
+    done = _search(folder, FITFINDER_PROBE_FAULT="2:abort,3:abort")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    trials = _study(folder).trials
+    assert trials[3].params == trials[2].params == {**trials[2].params, "rank": 4}
+    assert trials[4].params == {**trials[2].params, "rank": 8} and trials[4].user_attrs["status"] == "ok"
+    assert summary["best"] == clean["best"] and summary["proven"] and summary["excluded"] == []
+    assert summary["proven_around"] == "" and "proven only around" not in done.stderr
+    report = (folder / "results" / NAME / "report.html").read_text()
+    assert "yes: no other point can be better" in report
 
 
 @pytest.mark.slow
@@ -296,6 +320,69 @@ def test_a_study_never_answers_for_another_job_under_the_same_name(tmp_path, cle
     assert best.read_text() == before and len(_study(folder).trials) == trials  # nothing probed or written
     report = run_cli("report", NAME, cwd=folder)  # the report refuses the changed job too
     assert_one_clean_line(report, named)
+
+
+def _set_attribute(folder: Path, trial: int, key: str, value_json: str) -> None:
+    """Change one stored attribute by hand, as another tool (or a user with sqlite3) could."""
+    with sqlite3.connect(folder / "studies" / f"{NAME}.db") as db:
+        db.execute("UPDATE trial_user_attributes SET value_json = ? WHERE key = ? AND trial_id = "
+                   "(SELECT trial_id FROM trials WHERE number = ?)", (value_json, key, trial))
+
+
+def test_a_study_changed_by_hand_is_read_without_a_traceback(tmp_path, clean):
+    """Issue 35: `peak_bytes: "abc"` on a trial and a NaN speed on another broke search and
+    report with tracebacks. Such a trial is read as no result (its point is probed again if the
+    plan needs it); a NULL objective Optuna cannot read back is one line."""
+    folder = tmp_path / "by_hand"
+    shutil.copytree(clean["folder"], folder)
+    _set_attribute(folder, 4, "peak_bytes", '"abc"')  # the batch-2 speed point's out-of-memory
+    _set_attribute(folder, 2, "seconds_per_sample", "NaN")  # the rank-4 quality point's fit
+    report = run_cli("report", NAME, cwd=folder)
+    assert report.returncode == 0 and "Traceback" not in report.stderr, report.stderr
+    done = _search(folder)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert json.loads(done.stdout)["best"] == clean["best"]
+    probed_again = [t for t in _study(folder).trials[len(clean["results"]):] if t.user_attrs.get("status")]
+    assert [t.params["batch"] for t in probed_again] == [2]  # rank 4 is known to fit by dominance anyway
+    with sqlite3.connect(folder / "studies" / f"{NAME}.db") as db:
+        db.execute("UPDATE trial_values SET value = NULL WHERE trial_value_id = (SELECT MIN(trial_value_id) "
+                   "FROM trial_values)")
+    assert_one_clean_line(run_cli("report", NAME, cwd=folder), "Optuna cannot read its trials back")
+
+
+def test_a_closed_or_full_stdout_is_one_line_not_a_study_failure(tmp_path, clean):
+    """Issue 35: `fitfinder search ... | head -1` was reported as the study failing to write (a
+    write error inside the study's guard), `> /dev/full` was a traceback."""
+    folder = tmp_path / "stdout"
+    shutil.copytree(clean["folder"], folder)
+    command = [sys.executable, "-m", "fitfinder", "search", "configs/demo.yaml", *QUICK]
+    process = subprocess.Popen(command, cwd=folder, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = process.stdout.readline()
+    process.stdout.close()  # what `| head -1` does after its line
+    err = process.stderr.read().decode()
+    process.wait(timeout=300)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert first.startswith(b"fitfinder: study") and process.returncode == 2, err
+    assert lines == ["fitfinder: error: stdout: cannot write it (Broken pipe); what a search measured is kept in "
+                     "its study: run the same command again to see it"]
+    if Path("/dev/full").exists():
+        with open("/dev/full", "w") as full:
+            done = subprocess.run(command, cwd=folder, env=cli_env(), stdout=full, stderr=subprocess.PIPE, text=True,
+                                  timeout=300)
+        assert done.returncode == 2 and "Traceback" not in done.stderr
+        assert [line for line in done.stderr.splitlines() if line.strip()] == [
+            "fitfinder: error: stdout: cannot write it (No space left on device); what a search measured is kept "
+            "in its study: run the same command again to see it"]
+    assert _results(_study(folder)) == clean["results"]  # nothing failed, nothing probed again
+
+
+def test_a_trial_cap_that_stops_the_search_early_does_not_say_nothing_fits(tmp_path):
+    folder = _folder(tmp_path, "capped")
+    done = _search(folder, "--trials", "1")
+    assert done.returncode == 1 and "nothing fits" not in done.stderr, done.stderr
+    assert "no fit found in the 1 probes of the trial cap (--trials 1)" in done.stderr
+    assert "run again with a larger --trials" in done.stderr
+    assert json.loads(done.stdout)["proven"] is False
 
 
 def test_a_study_with_half_written_trials_is_still_read_reported_and_resumed(tmp_path, clean):

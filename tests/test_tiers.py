@@ -65,7 +65,7 @@ def test_report_html_shows_the_tiers_beside_it(demo_tiers):
 
 @pytest.mark.parametrize("cards, expected", [
     ("8,lots", "--cards: 'lots' is not a size in GiB"),
-    ("0,8", "--cards: sizes must be positive, got 0"),
+    ("0,8", "--cards: sizes in GiB must be between 1/1024 (1 MiB) and 1048576 (1 PiB), got 0"),
     (",", "--cards: give at least one card size in GiB"),
 ])
 def test_bad_cards_are_one_line_and_exit_2(tmp_path, cards, expected):

@@ -179,6 +179,13 @@ def search(
                   f"peaked at {format_bytes(lightest.peak_bytes)}" if lightest else "")
         _say_tight(out, space_, summary.closest_tight(), summary.budget_bytes, summary.limit_bytes, probed=True)
         out.line(f"report: {report_file}")
+        if not summary.finished:  # stopped by --trials: nothing is proven not to fit
+            raise RunFailed(f"no fit found in the {summary.probes_run} probes of the trial cap (--trials "
+                            f"{summary.trial_cap}){detail}; lighter points are still untried: run again with a "
+                            "larger --trials (the study resumes)")
+        if summary.excluded:  # a point that could not be probed may fit
+            raise RunFailed(f"no fit found in {format_bytes(summary.budget_bytes)} among the points that could be "
+                            f"probed; {summary.proven_around()}{detail}; see their logs in {results_dir / name}/probes")
         raise RunFailed(f"does not fit: nothing fits in {format_bytes(summary.budget_bytes)}{detail}; "
                         "try a larger --vram, or lighter candidates in the `fitfinder:` section "
                         f"(`fitfinder tiers {job.source}` predicts the smallest card that takes it)")
@@ -188,7 +195,7 @@ def search(
     out.table(["knob", "desired", "chosen", "outcome", "forced by"], rows)
     out.line(f"best: {space_.describe(summary.best_point)}  peak {format_bytes(summary.best.peak_bytes)} "
              f"of {format_bytes(summary.budget_bytes)}  ({summary.probes_run} probes"
-             f"{'' if summary.proven else ', not proven: trial cap reached'}"
+             f"{'' if summary.finished else ', not proven: trial cap reached'}"
              f"{'; ' + summary.proven_around() if summary.excluded else ''})")
     _say_tight(out, space_, summary.closest_tight(), summary.budget_bytes, summary.limit_bytes, probed=True)
     out.line(f"wrote {summary.best_file}")
@@ -384,6 +391,9 @@ def _estimate_search(job, runner, model, out) -> None:
              f"budget {format_bytes(job.settings.vram_bytes)}")
     found = estimated.search(job, runner, model, on_estimate)
     space = found.space
+    if found.best is None and not found.proven:  # stopped by --trials: nothing is proven not to fit
+        raise RunFailed(f"no point predicted to fit in the {found.estimates_run} estimates of the cap (--trials "
+                        f"{job.settings.trials}); lighter points are still unestimated: give a larger --trials")
     if found.best is None:
         out.note("nothing is predicted to fit; estimating what would take it (the smallest card, "
                  "the phase that stops it)")
@@ -436,7 +446,7 @@ def tiers(
     fits, 1 when none does (then it says the smallest card that would, up to 141 GB), 2 for bad input.
     """
     from fitfinder.probe import estimate as estimating, overhead
-    from fitfinder.search import tiers as tiering
+    from fitfinder.search import outputs, tiers as tiering
     from fitfinder.results.output import Output
     from fitfinder.units import format_bytes
 
@@ -448,17 +458,19 @@ def tiers(
         raise UserError("--card and --no-overhead contradict each other: give one of them")
     model = overhead.GpuOverhead.none() if no_overhead else (
         overhead.for_card(card) if card is not None else overhead.GpuOverhead())
+    out_dir = results_dir / _study_name(study or job.name)
+    _check_outputs(job, out_dir, None, outputs.TIERS)  # before the estimates, not after them
     out.note(f"estimating {job_file} for {len(sizes)} card sizes: {model.describe()}")
 
     def on_tier(space, tier) -> None:
         found = (f"fits: peak {format_bytes(tier.peak_bytes)}  {tier.differs or 'the job as written'}" if tier.point
-                 else "does not fit")
+                 else "does not fit" if tier.proven else "none found before the estimate cap")
         out.note(f"{tier.label}: {found}")
 
     runner = estimating.InProcess(job.settings.probe_timeout, PROGRESS_AFTER_S)
     table = tiering.compute(job, runner, model, sizes, on_tier)
     verdict = None
-    if not any(tier.point for tier in table.tiers):
+    if not any(tier.point for tier in table.tiers) and all(tier.proven for tier in table.tiers):
         out.note(f"nothing fits these cards; estimating the smallest card that would (up to "
                  f"{tiering.CARD_SIZES_GB[-1]} GB)")
         verdict = tiering.nothing_fits(job, runner, model, table.estimator, table.tiers[-1].budget_bytes,
@@ -466,7 +478,8 @@ def tiers(
     out_dir = results_dir / _study_name(study or job.name)
     path = tiering.write_json(table, out_dir)
     written = tiering.write_jobs(job, table, out_dir) if write else []
-    out.result({**table.as_json(), "verdict": "fits" if verdict is None else verdict.verdict,
+    fitted = any(tier.point for tier in table.tiers)
+    out.result({**table.as_json(), "verdict": "fits" if fitted else verdict.verdict if verdict else None,
                 "would_take": verdict.would_take.as_json() if verdict else None,
                 "tiers_json": str(path), "written": [str(p) for p in written]})
     out.table(["card", "peak", "differs from the job file", "given up"], tiering.rows(table.as_json()["tiers"]))
@@ -477,6 +490,8 @@ def tiers(
         for line in verdict.lines():
             out.line(line)
         raise typer.Exit(verdict.exit_code)
+    if not fitted:  # the estimate cap stopped every card's search: nothing is proven not to fit
+        raise RunFailed("no card's search found a fit before its estimate cap; raise `fitfinder: trials:` in the job file and run again")
 
 
 @app.command()
@@ -567,20 +582,23 @@ def report(
     from fitfinder import search as searching
     from fitfinder.results import report as reporting
     from fitfinder.results.output import Output
+    from fitfinder.search import outputs
 
     out = Output(json_output)
     _check_name(name)
     view = reporting.open_study(name, studies_dir, storage, job)
     out_dir = results_dir / name
     reporting.check_output_dir(out_dir, "--results-dir")
+    outputs.check(job or view.study.user_attrs.get("job_file") or "", results_dir, name, None, outputs.REPORT)
     best_file = out_dir / "best.yaml"
     summary = searching.summarize(view.study, view.space, view.known, view.url,
                                   best_file if best_file.exists() else None)
     paths = reporting.write_results(summary, out_dir)
     out.result({**summary.as_json(), "report": str(paths["report"]), "summary": str(paths["summary"]),
                 "trials_csv": str(paths["trials"])})
+    found = "fits" if summary.best else "does not fit: nothing fits" if summary.proven else "no fit found yet"
     out.line(f"wrote {paths['report']}, {paths['summary'].name} and {paths['trials'].name} "
-             f"({len(view.known.results)} probes; {'fits' if summary.best else 'does not fit: nothing fits'})")
+             f"({len(view.known.results)} probes; {found})")
 
 
 @app.command()
@@ -675,15 +693,17 @@ def _notes(out, job) -> None:
         out.note(note)
 
 
-def _check_outputs(job, out_dir: Path, studies_dir: Optional[Path]) -> None:
-    """What would fail only after the probes, refused before anything is written: the space and
-    an output folder that cannot be written (the model's weights and the job file being the winner
-    it would overwrite: search.loop._refuse_before_writing)."""
+def _check_outputs(job, out_dir: Path, studies_dir: Optional[Path], writes: Optional[tuple] = None) -> None:
+    """What would fail only after the probes, refused before anything is written: the space, an
+    output folder that cannot be written, the job file among the outputs or a link in their way
+    (search.outputs; a search checks those and the model's weights in search.loop._refuse_before_writing)."""
     from fitfinder import space
     from fitfinder.results import report
+    from fitfinder.search import outputs
 
     space.build(job)  # bad candidates
     report.check_output_dir(out_dir, "--results-dir")
+    outputs.check(job.source, out_dir.parent, out_dir.name, None, writes or outputs.SEARCH)
     if studies_dir is not None:
         report.check_output_dir(studies_dir, "--studies-dir")
 

@@ -140,6 +140,9 @@ class JobFile:
         self.source = source
         self.settings = settings or Settings()
         self.explicit_start = explicit_start  # the file began with `---`; keep it
+        # Copy-on-write (`copy`): None while no other JobFile shares these nodes; else the nodes
+        # this one has copied since, by id, which `set` may change in place.
+        self._own: dict[int, Any] | None = None
 
     # -- reading ---------------------------------------------------------------------------
     @property
@@ -190,12 +193,14 @@ class JobFile:
         from ruamel.yaml.comments import CommentedMap
 
         *parents, last = path.split(".")
-        node = self.process
+        node = self._writable_process()
         for part in parents:
             child = _child(node, part)
             if child is _MISSING:
-                child = CommentedMap()
+                child = self._mine(CommentedMap())
                 node[part] = child
+            else:
+                child = self._writable_child(node, part)
             node = child
         old = node.get(last, _MISSING) if hasattr(node, "get") else _MISSING
         node[last] = _yaml_value(value, None if old is _MISSING else old)
@@ -203,8 +208,41 @@ class JobFile:
             _mark_old_comment(node, last, old)
 
     def copy(self) -> "JobFile":
-        return JobFile(copy.deepcopy(self.data), self.source, copy.deepcopy(self.settings),
-                       self.explicit_start)
+        """A copy that shares every node with this file until one of them sets a value: `set` first
+        copies the nodes on its path (each with its comments), so copying costs nothing whatever the
+        file holds. Every probe copies the job (space.apply), and ruamel's deep copy is quadratic in
+        a list's length: a job with 9000 prompts or 9900 `process` entries stalled a search (issue 35)."""
+        self._own = {} if self._own is None else self._own
+        copied = JobFile(self.data, self.source, copy.deepcopy(self.settings), self.explicit_start)
+        copied._own = {}
+        return copied
+
+    def _mine(self, node: Any) -> Any:
+        """`node` if this file may change it in place, else its copy (made once, kept as its own)."""
+        if self._own is None or id(node) in self._own:
+            return node
+        mine = node if not hasattr(node, "copy_attributes") else _shallow_copy(node)
+        self._own[id(mine)] = mine
+        return mine
+
+    def _writable_process(self) -> Any:
+        """config.process[0], and every node above it, this file's own."""
+        root = self.data = self._mine(self.data)
+        config = root["config"] = self._mine(root["config"])
+        processes = config["process"] = self._mine(config["process"])
+        processes[0] = self._mine(processes[0])
+        return processes[0]
+
+    def _writable_child(self, node: Any, part: str) -> Any:
+        """The child `part` (`train`, `datasets[0]`) of a node of this file's own, made its own too."""
+        match = _INDEX.match(part)
+        if match:
+            items = node[match.group(1)] = self._mine(node[match.group(1)])
+            index = int(match.group(2))
+            items[index] = self._mine(items[index])
+            return items[index]
+        node[part] = self._mine(node[part])
+        return node[part]
 
     # -- accumulation: AI Toolkit reads two mutually exclusive keys ---------------------------
     @property
@@ -279,7 +317,7 @@ class JobFile:
     # -- writing ---------------------------------------------------------------------------
     def dumps(self, header: list[str] | None = None) -> str:
         """The job file as YAML without the `fitfinder:` section, `header` lines as comments."""
-        data = copy.deepcopy(self.data)
+        data = _shallow_copy(self.data) if hasattr(self.data, "copy_attributes") else self.data
         if hasattr(data, "pop"):
             data.pop("fitfinder", None)
         stream = io.StringIO()
@@ -296,6 +334,21 @@ class JobFile:
             raise UserError(f"{path}: refusing to write over the input job file")
         write_atomic(path, self.dumps(header))
         return path
+
+
+def _shallow_copy(node: Any) -> Any:
+    """A new ruamel mapping or sequence holding the same children, with its own copy of the node's
+    comments, anchor and format (so that changing one node never changes the other's comments)."""
+    from ruamel.yaml.comments import CommentedMap
+
+    copied = type(node)()
+    if isinstance(node, CommentedMap):
+        for key in node:  # as CommentedMap.__deepcopy__ does, merged (<<) keys included
+            copied[key] = node[key]
+    else:
+        copied.extend(node)
+    node.copy_attributes(copied, memo={id(node): copied})
+    return copied
 
 
 def write_atomic(path: str | Path, text: str, mode: int = 0o666) -> None:

@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import pkgutil
+import re
 from pathlib import Path
 from typing import Any
 
+from fitfinder import files
 from fitfinder.errors import UserError
 from fitfinder.models._family import Family
 from fitfinder.units import format_bytes
@@ -301,16 +304,24 @@ def load_note(request: dict) -> str:
 
 
 def arch_from_folder(path: Path, family: str) -> dict:
-    """The arch dict of a diffusers pipeline folder: each part's config.json, as an arch config holds it."""
+    """The arch dict of a diffusers pipeline folder: each part's config.json, as an arch config holds it.
+
+    What the folder's files say is checked before anything is built from it (_checked_part): a
+    config.json with 1,000,000 layers made an estimate run for an hour, a list, a folder, a FIFO
+    or text that is not JSON gave tracebacks or hung, a size of NaN, 0 or -4 failed in the probe."""
     spec = FAMILIES[family]
-    missing = [part for part in spec.parts if not (path / part / "config.json").exists()]
+    missing = [part for part in spec.parts if not os.path.lexists(path / part / "config.json")]
     if missing:
         raise UserError(f"{path}: not a diffusers {family} pipeline folder: no "
                         f"{', '.join(f'{part}/config.json' for part in missing)}")
     parts = {part: _config_of(path / part / "config.json") for part in spec.parts}
     arch = {"family": family, "names": [str(path)], "text_seq_len": _text_seq_len(path, family), "parts": parts}
     index = _json_or_empty(path / "model_index.json")
-    arch.update({key: index.get(key, default) for key, default in spec.index_defaults.items()})
+    for key, default in spec.index_defaults.items():
+        value = index.get(key, default)
+        if isinstance(default, float) and not (_is_number(value) and 0 <= value <= 1):
+            raise UserError(f"{path / 'model_index.json'}: {key}: expected a number from 0 to 1, got {_brief(value)}")
+        arch[key] = value
     return arch
 
 
@@ -325,16 +336,88 @@ def _text_seq_len(path: Path, family: str) -> int:
 
 
 def _json_or_empty(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+    """The JSON object in `path`, {} when there is no such file."""
+    return read_json(path) if os.path.lexists(path) else {}
 
 
 def _config_of(path: Path) -> dict:
     """A part's config.json without the bookkeeping keys diffusers and transformers add."""
     bookkeeping = {"architectures", "transformers_version", "dtype", "torch_dtype", "model_type"}
-    return {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_") and k not in bookkeeping}
+    config = {k: v for k, v in read_json(path).items() if not k.startswith("_") and k not in bookkeeping}
+    problem = _checked_part(config)
+    if problem is not None:
+        raise UserError(f"{path}: {problem}; is this a diffusers model folder as its library saved it?")
+    return config
+
+
+# -- what a model folder's files may say: bounded work whatever they hold (docs/reliability.md) ------
+# A part's config.json is a few KiB, a tokenizer's config at most a few MiB (its added tokens).
+MAX_CONFIG_BYTES = 16 << 20
+# The deepest stack shipped is Qwen-Image's 60 blocks (T5-XXL 24, Mistral Small 3.1 40 layers), the
+# most experts HiDream's 64: the estimate builds and runs each one, so a million layers ran for an hour.
+MAX_LAYERS = 1024
+# Widths, heads, channels, vocabularies: the largest shipped is a 262,208-token vocabulary.
+MAX_SIZE = 1 << 20
+MAX_LIST = 1024  # block lists, RoPE axes, latents' means: the longest shipped has 48 entries
+_LAYERS = re.compile(r"(^|_)(layers|depth|blocks|layers_per_block|experts)$")  # counts (or indexes) of layers
+_SIZES = re.compile(r"(_size|_dim|^dim|channels|(^|_)heads|^d_model|^d_kv|^d_ff)$")  # widths: at least 1
+
+
+def read_json(path: Path) -> dict:
+    """The JSON object in the regular file `path`, read up to MAX_CONFIG_BYTES; anything else,
+    NaN and Infinity included (Python's json reads them, no config means them), is one line."""
+    raw = files.read_bounded(path, MAX_CONFIG_BYTES, "JSON file")
+
+    def refuse_constant(name: str):
+        raise ValueError(f"{name} is not a number JSON has")
+
+    try:
+        data = json.loads(raw, parse_constant=refuse_constant)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested thousands deep
+        raise UserError(f"{path}: not valid JSON ({str(exc)[:100] or type(exc).__name__})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a JSON object ({{...}}), got {type(data).__name__} {_brief(data)}")
+    return data
+
+
+def _checked_part(config: dict, where: str = "") -> str | None:
+    """The first problem of a part's config (or of a config nested in it) as '<key>: expected ...',
+    or None: layer counts from 0 to MAX_LAYERS, sizes whole numbers from 1 to MAX_SIZE (or null:
+    the class's default), lists of at most MAX_LIST entries."""
+    for key, value in config.items():
+        name = f"{where}{key}"
+        if isinstance(value, dict):
+            problem = _checked_part(value, f"{name}.")
+            if problem is not None:
+                return problem
+            continue
+        items = value if isinstance(value, list) else [value]
+        if len(items) > MAX_LIST:
+            return f"{name}: a list of {len(items)} entries, at most {MAX_LIST}"
+        if _LAYERS.search(str(key)):
+            low, high, what = 0, MAX_LAYERS, "a number of layers"
+        elif _SIZES.search(str(key)):
+            low, high, what = 1, MAX_SIZE, "a size"
+        else:
+            continue
+        for item in items:
+            if item is not None and not (_is_whole(item) and low <= item <= high):
+                return f"{name}: expected {what}, a whole number from {low} to {high}, got {_brief(item)}"
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _brief(value: Any) -> str:
+    """A value as a short text for a one-line error."""
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def cache_dir() -> Path:

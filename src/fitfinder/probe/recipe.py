@@ -45,7 +45,7 @@ import time
 import traceback
 from typing import Any
 
-from fitfinder import models, oom
+from fitfinder import files, models, oom
 from fitfinder.probe.protocol import ProbeRequest, ProbeResult
 
 
@@ -542,8 +542,8 @@ def _result_line(result: ProbeResult, request: ProbeRequest) -> bytes:
 def child_main(request_json: str, result_conn, log_path: str | None) -> None:
     """Forkserver child: all output to the log, the one result line to the parent's pipe."""
     _die_with_parent()
-    if log_path:
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    if log_path:  # never through a link or into a FIFO planted at its name (files.open_own)
+        fd = files.open_own(log_path, truncate=True)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
     request = json.loads(request_json)

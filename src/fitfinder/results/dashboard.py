@@ -21,6 +21,7 @@ from pathlib import Path
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from fitfinder.errors import UserError
+from fitfinder.search.study import OPTUNA_TABLES, is_study_file
 
 
 def storage_for(study_db: str | None, studies_dir: Path, create: bool = False) -> tuple[str, str]:
@@ -53,7 +54,6 @@ def storage_for(study_db: str | None, studies_dir: Path, create: bool = False) -
 
 
 _SQLITE = "sqlite:///"
-_OPTUNA_TABLES = ("studies", "version_info")
 
 
 def _check_url(url: str, create: bool) -> None:
@@ -72,7 +72,7 @@ def _check_url(url: str, create: bool) -> None:
         engine = sqlalchemy.create_engine(url)
         try:
             inspector = sqlalchemy.inspect(engine)
-            found = all(inspector.has_table(table) for table in _OPTUNA_TABLES)
+            found = all(inspector.has_table(table) for table in OPTUNA_TABLES)
         finally:
             engine.dispose()
     except Exception as exc:  # a driver that is missing, a server that does not answer
@@ -84,17 +84,7 @@ def _check_url(url: str, create: bool) -> None:
 
 def _check_is_study_file(path: Path, shown: str | None = None) -> None:
     """Refuse a file that is not an Optuna SQLite storage, before Optuna would add its tables to it."""
-    import sqlite3
-
-    try:
-        db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
-        try:
-            names = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-        finally:
-            db.close()
-    except sqlite3.DatabaseError:
-        names = set()
-    if not set(_OPTUNA_TABLES) <= names:
+    if not is_study_file(path):
         raise UserError(f"{shown or path}: not an Optuna study database (made by `fitfinder search`); "
                         "give --create to add Optuna's tables to it")
 

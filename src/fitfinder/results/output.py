@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from fitfinder.errors import UserError
 from fitfinder.units import format_bytes
 from fitfinder.verdict import FITS, NO_FIT, TIGHT, of_probe
 
@@ -64,6 +65,21 @@ class TrialRow:
         return text
 
 
+def _print(text: str, stream) -> None:
+    """One line, or one error line when the stream cannot take it: `| head -1` closed the pipe
+    (that was reported as the study failing to write), `> /dev/full` has no room (a traceback)."""
+    try:
+        print(text, file=stream, flush=True)
+    except OSError as exc:
+        name = {sys.stdout: "stdout", sys.stderr: "stderr"}.get(stream, getattr(stream, "name", "the output"))
+        try:  # the interpreter flushes the stream once more at exit: let that find a sink, not fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        raise UserError(f"{name}: cannot write it ({exc.strerror or type(exc).__name__}); what a search measured "
+                        "is kept in its study: run the same command again to see it") from None
+
+
 class Output:
     def __init__(self, json_mode: bool = False, stream=None, fancy: bool | None = None):
         self.json_mode = json_mode
@@ -79,7 +95,7 @@ class Output:
         if self._board is not None:
             self._board.live.console.print(text, markup=False, highlight=False)
         else:
-            print(text, file=self.stream, flush=True)
+            _print(text, self.stream)
 
     def note(self, text: str) -> None:
         self.line(f"fitfinder: {text}")
@@ -87,7 +103,7 @@ class Output:
     def result(self, payload: dict[str, Any]) -> None:
         """The machine-readable answer: one JSON object on stdout (only with --json)."""
         if self.json_mode:
-            print(json.dumps(payload, default=str), file=sys.stdout, flush=True)
+            _print(json.dumps(payload, default=str), sys.stdout)
 
     def table(self, headers: list[str], rows: list[list[Any]]) -> None:
         widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h))

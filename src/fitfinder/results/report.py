@@ -150,7 +150,7 @@ def open_study(name: str, studies_dir: Path, storage: str | None, job_path: Path
     if changed:
         raise UserError(f"{job_path} is no longer the job study {name!r} searched ({'; '.join(changed[:3])} "
                         "changed); give the job file it was made from with --job PATH")
-    budget, margin = attrs.get("budget_bytes"), float(attrs.get("margin", 0.0))
+    budget, margin = studies.budget_of(study)
     limit = int(budget * (1 - margin)) if budget else None
     known = studies.load_knowledge(study, space, limit)
     return StudyView(name, storage, study, space, known, budget, margin, limit, str(attrs.get("meter", "")))
@@ -165,7 +165,7 @@ def write_results(summary: SearchSummary, out_dir: Path, job: JobFile | None = N
     paths = {"trials": write_trials_csv(study, space, Path(out_dir) / "trials.csv")}
     if job is not None and summary.best is not None:
         facts = fit_facts(summary.best, summary.budget_bytes, summary.margin, summary.meter, summary.study)
-        if not summary.proven:
+        if not summary.finished:
             facts.append(f"The search stopped at its cap of {summary.trial_cap} probes before proving this is the "
                          "best.")
         for failed in summary.excluded:
@@ -244,11 +244,13 @@ def probes_of(study, known) -> list:
 
     verdicts = {r.trial: r.verdict for r in known.results}
     probes = []
-    for trial in study.get_trials(deepcopy=False):
+    for trial in studies.trials_of(study):
         attrs = trial.user_attrs
         status = attrs.get("status")
         if status == "decided":
             continue  # settled by dominance, never probed
+        if not studies.facts_readable(attrs):  # changed by hand: shown, with none of its numbers
+            attrs = {key: value for key, value in attrs.items() if key in ("status", "error")}
         if trial.state == TrialState.RUNNING:
             outcome = "running"
         elif status == "ok":
@@ -294,6 +296,7 @@ def _facts_section(study, space: Space, known, summary: dict[str, Any], winner) 
         ("probes", f"{len(known.results)} (" + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) + ")"
                    if known.results else "none yet"),
         ("proven", "yes: no other point can be better" if summary.get("proven")
+                   else f"no: {summary['proven_around']}" if summary.get("proven_around")
                    else "no: the search stopped before proving it"),
     ]
     if winner is not None:

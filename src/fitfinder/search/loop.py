@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from fitfinder import models, space as spaces
-from fitfinder.errors import UserError
 from fitfinder.probe import faults
-from fitfinder.search import estimated, study as studies, worker as workers
+from fitfinder.search import estimated, outputs, study as studies, worker as workers
 from fitfinder.search.planner import ATTEMPTS, Knowledge, Result, best, best_tight, explain, plan
 from fitfinder.space import Point, Space
 from fitfinder.units import format_bytes
@@ -43,7 +42,7 @@ class SearchSummary:
     storage: str
     trials: int
     probes_run: int
-    proven: bool
+    finished: bool  # the plan ended (else the trial cap stopped it)
     best: Result | None
     best_point: Point | None
     best_file: str | None
@@ -71,6 +70,7 @@ class SearchSummary:
             "budget_bytes": self.budget_bytes, "limit_bytes": self.limit_bytes,
             "explanation": self.explanation,
             "excluded": [{"trial": r.trial, "point": r.point, "error": (r.error or "")[:300]} for r in self.excluded],
+            "proven_around": self.proven_around(),  # '' when the proof is whole; the CLI and the report say it
         }
 
     def closest_tight(self) -> Result | None:
@@ -79,6 +79,12 @@ class SearchSummary:
         if self.known is None:
             return None
         return best_tight(self.space, self.known, self.budget_bytes, self.best_point)
+
+    @property
+    def proven(self) -> bool:
+        """No other point can be better: the plan ended, and no point it needed stayed unknown
+        because its probes failed (`excluded`). The CLI's line, summary.json and the report say this."""
+        return self.finished and not self.excluded
 
     def proven_around(self) -> str:
         """'' when the proof is whole; else what it could not look at, for the summary line."""
@@ -90,10 +96,10 @@ class SearchSummary:
 
 
 def summarize(study, space: Space, known: Knowledge, url: str, best_file: Path | None,
-              proven: bool | None = None, trial_cap: int | None = None, margin: float | None = None,
+              finished: bool | None = None, trial_cap: int | None = None, margin: float | None = None,
               meter: str | None = None, probes_run: int | None = None) -> SearchSummary:
     """What a study says: the winner, why, and what was left out. The one builder of the summary,
-    for the search's end and for `fitfinder report` (`proven`: None asks the plan; `best_file`:
+    for the search's end and for `fitfinder report` (`finished`: None asks the plan; `best_file`:
     where the winner is or will be written, if it is; `margin`, `meter`: this search's, else the
     study's; `probes_run`: what the search counted against its cap, else the results read)."""
     attrs = study.user_attrs
@@ -102,7 +108,7 @@ def summarize(study, space: Space, known: Knowledge, url: str, best_file: Path |
                    key=lambda r: (sum(k.level(r.point[k.name]) for k in space.knobs), r.peak_bytes), default=None)
     return SearchSummary(status="fit" if winner else "none", study=study.study_name, storage=url,
                          trials=len(study.trials), probes_run=len(known.results) if probes_run is None else probes_run,
-                         proven=plan(space, known).point is None if proven is None else proven,
+                         finished=plan(space, known).point is None if finished is None else finished,
                          best=winner, best_point=winner.point if winner else None,
                          best_file=str(best_file) if winner and best_file is not None else None,
                          budget_bytes=attrs.get("budget_bytes"), limit_bytes=known.limit_bytes, space=space,
@@ -149,22 +155,24 @@ def run(job, options: SearchOptions, out) -> SearchSummary | None:
         studies.fail_stale(study)  # a worker killed after the others finished: its trial says why
     known, pending = studies.read(study, space, limit)
     sampler = FitSampler(space, limit, estimated.guide_for(options.guided, job, options.meter, options.gpu))
-    proven = sampler.next_step(known, pending).point is None and not pending
+    finished = sampler.next_step(known, pending).point is None and not pending
     best_file = Path(options.results_dir) / options.study_name / getattr(job, "best_name", "best.yaml")
-    return summarize(study, space, known, url, best_file, proven, settings.trials, settings.margin, options.meter,
+    return summarize(study, space, known, url, best_file, finished, settings.trials, settings.margin, options.meter,
                      studies.probes_in(study))
 
 
 def _refuse_before_writing(job, options: SearchOptions) -> None:
     """Bad input found before studies/ and results/ are written: the test hooks' variables, a
-    name too long for a file, the search's own output as its input, model weights not there."""
+    name too long for a file, a storage that is not a study's, the search's own outputs as its
+    input or in the way (search.outputs), model weights not there."""
     faults.probe_faults()
     faults.kill_point()
     studies.heartbeat()
     studies.check_name(options.study_name)
-    best_file = (Path(options.results_dir) / options.study_name / getattr(job, "best_name", "best.yaml")).resolve()
-    if Path(str(job.source)).resolve() == best_file:
-        raise UserError(f"{job.source} is where this search writes its winner; copy it elsewhere "
-                        "(or give --study NEW) to search from it")
+    sqlite = studies.sqlite_file(options.study_name, Path(options.studies_dir), options.storage)
+    outputs.check(job.source, options.results_dir, options.study_name, sqlite,
+                  (*outputs.SEARCH, getattr(job, "best_name", "best.yaml")))
+    if sqlite is not None:
+        studies.refuse_foreign_sqlite(sqlite, options.storage)
     models.model_spec(job)  # a missing model path says so now, not after the study is made
 

@@ -21,8 +21,12 @@ resumes where it stopped, and every decision can be explained by the trials behi
 
 Faults: a probe that crashed, hung or printed garbage says nothing about memory. Its point is
 probed once more (the plan, finding it still unknown, asks for it again); if that fails too, the
-point alone is excluded -- never anything beyond it, as only an out-of-memory implies dominance --
-and a bisection steps around it, so the answer is proven only around that point (`excluded`).
+point alone is excluded: it stays unknown, not infeasible -- only an out-of-memory implies
+dominance, so nothing heavier is ruled out by it, and a heavier point that fits shows that it
+fits (it is then no longer excluded). Where the quality stage's point for a level is excluded,
+the plan asks for the same level with a later knob one step up (_level_stand_in); a
+speed climb steps over an excluded level to the next. A level that no point can settle is given
+up, named after the excluded trial, and the answer is proven only around it (`excluded`).
 
 Dominance: memory is monotone in every knob, so a point at least as heavy as one that ran out of
 memory in a phase -- on the knobs that phase depends on -- fails too, and a point at most as
@@ -119,41 +123,44 @@ class Knowledge:
         return self._by_key.get(self.space.key(point), [])
 
     def state(self, point: Point) -> str | None:
-        """FIT, NOFIT, EXCLUDED (its probes failed ATTEMPTS times, not out of memory) or unknown
-        (None). A probe that failed once leaves its point unknown, so the plan asks for it again."""
+        """FIT, NOFIT, EXCLUDED (its probes failed ATTEMPTS times, not out of memory, and no other
+        result decides it) or unknown (None). A probe that failed once leaves its point unknown, so
+        the plan asks for it again."""
         return self.decider(point)[0]
 
     def decider(self, point: Point) -> tuple[str | None, Result | None]:
-        """The state of `point` and the result that decides it. Failure wins over fit."""
+        """The state of `point` and the result that decides it. Failure wins over fit; a point
+        whose own probes failed ATTEMPTS times is EXCLUDED unless dominance decides it anyway
+        (a lighter point ran out of memory, a heavier one fit: memory says so, not its probes)."""
         own = self.probed(point)
         for result in own:
             if result.verdict == NOFIT:
                 return NOFIT, result
-        failures = self.failures_in_a_row(point)
-        if failures >= ATTEMPTS:
-            return EXCLUDED, own[-1]
         for result in self.results:
             if result.verdict == NOFIT and self._fails_like(point, result):
                 return NOFIT, result
-        for result in own:
+        excluded = self.failures_in_a_row(point) >= ATTEMPTS
+        # An excluded point is decided only by other points: its own fit came before its failures.
+        others = [r for r in self.results if not excluded or self.space.key(r.point) != self.space.key(point)]
+        for result in () if excluded else own:
             if result.verdict == FIT:
                 return FIT, result
-        for result in self.results:
+        for result in others:
             if result.verdict == FIT and self.space.heavier_or_equal(result.point, point):
                 return FIT, result
-        witnesses = self._phase_witnesses(point)
+        witnesses = self._phase_witnesses(point, others)
         if witnesses:
             return FIT, witnesses[-1]
-        return None, None
+        return (EXCLUDED, own[-1]) if excluded else (None, None)
 
-    def _phase_witnesses(self, point: Point) -> list[Result]:
-        """One result per phase that ran that phase under the limit at a point at least as heavy
-        there -- or [] if some phase has none. Each phase's peak depends only on its own knobs, so
-        witnesses from different probes together prove the point fits."""
+    def _phase_witnesses(self, point: Point, results: list[Result]) -> list[Result]:
+        """One of `results` per phase that ran that phase under the limit at a point at least as
+        heavy there -- or [] if some phase has none. Each phase's peak depends only on its own
+        knobs, so witnesses from different probes together prove the point fits."""
         limit = self.limit_bytes if self.limit_bytes is not None else float("inf")
         witnesses = []
         for phase in self.space.phases_run(point):
-            witness = next((r for r in self.results if r.verdict is not None and phase not in r.failed_phases
+            witness = next((r for r in results if r.verdict is not None and phase not in r.failed_phases
                             and r.phase != phase and r.phases.get(phase, limit + 1) <= limit
                             and self.space.heavier_or_equal(r.point, point, phase)), None)
             if witness is None:
@@ -180,12 +187,16 @@ class Knowledge:
         return count
 
     def excluded(self) -> list[Result]:
-        """The last failure of each point excluded after ATTEMPTS failed probes."""
+        """The last failure of each point excluded after ATTEMPTS failed probes and left unknown
+        (one that dominance decides hides nothing)."""
         last = {self.space.key(r.point): r for r in self.results if r.verdict is None}
         return [r for r in last.values() if self.state(r.point) == EXCLUDED]
 
     def fits(self) -> list[Result]:
-        return [r for r in self.results if r.verdict == FIT and self.state(r.point) == FIT]
+        """The fits a winner may be: a point whose last probes failed is none, even where a
+        heavier point shows that it fits (its confirmation crashed twice, say)."""
+        return [r for r in self.results if r.verdict == FIT and self.state(r.point) == FIT
+                and self.failures_in_a_row(r.point) < ATTEMPTS]
 
     def confirmed(self, point: Point) -> bool:
         return any(r.confirm and r.verdict == FIT for r in self.probed(point))
@@ -433,21 +444,48 @@ def _quality_stage(space: Space, known: Knowledge, decided: list) -> tuple[Point
         if hi - lo > 1:
             # The desired value with every later knob at its lightest first: the later knobs are
             # what usually broke the optimistic point. Then bisect, leaning high.
-            level = _open_level(known, line, lo, hi, top if hi > top else (lo + hi + 1) // 2)
-            if level is not None:
-                return line(level), None
-            # Every level left between the bounds is excluded: settled at `lo`, proven only around them.
+            point = _open_point(known, line, lo, hi, top if hi > top else (lo + hi + 1) // 2,
+                                [*quality[i + 1:], *space.speed_knobs])
+            if point is not None:
+                return point, None
+            # No point can settle a level left between the bounds: settled at `lo`, proven only around them.
         if lo < 0:
             return None, None  # not even the lightest value fits after the fixed ones
         fixed[knob.name] = knob.candidates[lo]
     return None, fixed
 
 
-def _open_level(known: Knowledge, line, lo: int, hi: int, wanted: int) -> int | None:
-    """`wanted`, or the level nearest it strictly between `lo` and `hi` (the higher first) whose
-    point is not excluded; None if every one is."""
-    open_levels = [level for level in range(lo + 1, hi) if known.state(line(level)) != EXCLUDED]
-    return min(open_levels, key=lambda level: (abs(level - wanted), -level), default=None)
+def _open_point(known: Knowledge, line, lo: int, hi: int, wanted: int, later) -> Point | None:
+    """The point that settles the level nearest `wanted` strictly between `lo` and `hi` (the
+    higher first): the level's point on the line, or where that one is excluded a stand-in for it
+    (_level_stand_in); None when no level there can be settled."""
+    for level in sorted(range(lo + 1, hi), key=lambda level: (abs(level - wanted), -level)):
+        point = line(level)
+        if known.state(point) != EXCLUDED:
+            return point
+        stand_in = _level_stand_in(known, point, later)
+        if stand_in is not None:
+            return stand_in
+    return None
+
+
+def _level_stand_in(known: Knowledge, excluded: Point, later) -> Point | None:
+    """A point that settles the level of `excluded` (a level with every later knob at its
+    lightest, whose probes failed twice): `excluded` with one of the `later` knobs raised (the
+    later quality knobs in priority order, up to their desired values, then the speed knobs), the
+    first knob and its lowest step that is neither excluded nor known to fail. If it fits, the
+    level fits (dominance: the excluded point is lighter), which is what a failed probe cannot
+    say. None when every such point is excluded or fails: the level stays unknown."""
+    for knob in later:
+        top = knob.level(knob.desired) if knob.role == "quality" else len(knob.candidates) - 1
+        for level in range(1, top + 1):
+            candidate = {**excluded, knob.name: knob.candidates[level]}
+            state = known.state(candidate)
+            if state is None:
+                return candidate
+            if state == NOFIT:
+                break  # heavier steps of this knob fail too: try the next knob
+    return None
 
 
 def _bounds(known: Knowledge, line, top: int) -> tuple[int, int]:
@@ -469,15 +507,15 @@ def _speed_stage(space: Space, known: Knowledge, quality: Point, decided: list) 
         base = {**quality, **setting}
         line = lambda level, s=base: {**s, chain.name: chain.candidates[level]}  # noqa: E731
         lo, hi = _bounds(known, line, len(chain.candidates) - 1)
-        if hi - lo > 1:
-            step = line(lo + 1)  # one step at a time, as the seeds escalate
-            state = _consider(known, step, decided)
-            if state is None:
+        # One step at a time, as the seeds escalate; over an excluded step to the next (a fit there
+        # shows the excluded one fits too).
+        up = next((level for level in range(lo + 1, hi) if known.state(line(level)) != EXCLUDED), None)
+        if up is not None:
+            step = line(up)
+            if _consider(known, step, decided) is None:
                 return step
-            if state == EXCLUDED and lo >= 0:
-                maximal.append(line(lo))  # as far as it is proven: the step up was excluded
         elif lo >= 0:
-            maximal.append(line(lo))
+            maximal.append(line(lo))  # as far as it is proven (every step up excluded, or none left)
     for point in maximal:
         surely_slower = any(other != point and space.heavier_or_equal(other, point) for other in maximal)
         if not surely_slower and not any(r.verdict == FIT and not r.extra.get("predicted")
@@ -743,20 +781,20 @@ def _proof_step(space: Space, known: Knowledge, view: Knowledge) -> Step:
     winner = best(space, view)
     if winner is None:
         lightest = space.lightest()
-        return Step(None) if known.state(lightest) == NOFIT else Step(lightest, "proof")
+        return Step(None) if known.state(lightest) in (NOFIT, EXCLUDED) else Step(lightest, "proof")
     up = _unproven_level_up(space, known, view, winner.point)
     return Step(up, "proof") if up is not None else Step(None)
 
 
 def _unproven_level_up(space: Space, known: Knowledge, view: Knowledge, winner: Point) -> Point | None:
     """The first quality knob `winner` gives up (in `view`) whose next level up no probe in
-    `known` rules out, as that point; None when every one is."""
+    `known` rules out or has excluded, as that point; None when every one is."""
     for row in explain(space, view, winner):
         knob = space.by_name[row["knob"]]
         if knob.role != "quality" or row["verdict"] != "given up":
             continue
         up = _next_up(space, winner, knob)
-        if known.state(up) != NOFIT:
+        if known.state(up) not in (NOFIT, EXCLUDED):  # an excluded point is not probed a third time
             return up
     return None
 
@@ -816,6 +854,8 @@ def explain(space: Space, known: Knowledge, winner: Point) -> list[dict[str, Any
     A quality knob below its desired value was forced down by the result that rules out the next
     level up (with every knob after it at its lightest, so nothing else is to blame); a speed
     knob lighter than desired, by the result that rules out the next heavier step at the winner.
+    Where that point was excluded (its probes failed twice, not out of memory), its last failed
+    trial is named: the level was given up because it could not be probed.
     """
     rows = []
     light = {k.name: k.candidates[0] for k in space.knobs}
@@ -831,7 +871,7 @@ def explain(space: Space, known: Knowledge, winner: Point) -> list[dict[str, Any
             else:
                 probe_point = {**winner, knob.name: knob.candidates[level + 1]}
             state, result = known.decider(probe_point)
-            forced_by = result.trial if state == NOFIT and result is not None else None
+            forced_by = result.trial if state in (NOFIT, EXCLUDED) and result is not None else None
         rows.append({"knob": knob.name, "role": knob.role, "desired": desired, "chosen": chosen,
                      "verdict": verdict, "forced_by": forced_by})
     return rows

@@ -55,6 +55,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from fitfinder import files
 from fitfinder.errors import UserError
 from fitfinder.probe import faults, request as requests
 from fitfinder.probe.protocol import ProbeResult, Purpose
@@ -75,6 +76,48 @@ def check_name(name: str) -> None:
     if len(name.encode()) > MAX_NAME:
         raise UserError(f"study name {name[:20]}...: {len(name.encode())} characters, at most {MAX_NAME}; "
                         "shorten config.name or give --study NAME")
+
+
+def sqlite_file(name: str, studies_dir: Path, storage: str | None) -> Path | None:
+    """The SQLite file the study lives in (studies/NAME.db unless --storage names another), or
+    None for a storage that is no SQLite file. An in-memory SQLite storage (`sqlite:///`,
+    `sqlite://`, `:memory:`) is refused: its study ends with the search and can never resume."""
+    if storage is None:
+        return Path(studies_dir) / f"{name}.db"
+    if not storage.startswith("sqlite:"):
+        return None
+    path = storage[len("sqlite:///"):].split("?")[0] if storage.startswith("sqlite:///") else ""
+    if path in ("", ":memory:") or "mode=memory" in storage:
+        raise UserError(f"--storage {storage}: an in-memory SQLite study ends with the search and cannot be "
+                        "resumed; give a file, e.g. sqlite:///studies/NAME.db")
+    return Path(path)
+
+
+OPTUNA_TABLES = ("studies", "version_info")
+
+
+def is_study_file(path: Path) -> bool:
+    """Whether the SQLite file `path` holds Optuna's tables (read only: nothing is created)."""
+    import sqlite3
+
+    try:
+        db = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            names = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        finally:
+            db.close()
+    except sqlite3.DatabaseError:  # not a SQLite file at all
+        return False
+    return set(OPTUNA_TABLES) <= names
+
+
+def refuse_foreign_sqlite(path: Path, storage: str | None) -> None:
+    """A SQLite file that exists and is not empty must be a study storage already: Optuna would
+    add its 13 tables to anyone's database (`fitfinder dashboard` refuses the same file)."""
+    if path.is_file() and path.stat().st_size > 0 and not is_study_file(path):
+        shown = f"--storage {storage}" if storage else f"--studies-dir: {path}"
+        raise UserError(f"{shown}: {path} is not an Optuna study database (made by `fitfinder search`); "
+                        "give a new file or a study's, or move it")
 
 
 def storage_url(name: str, studies_dir: Path, storage: str | None) -> str:
@@ -287,15 +330,26 @@ def read(study, space: Space, limit_bytes: int | None) -> tuple[Knowledge, list[
 
     known = Knowledge(space, limit_bytes)
     pending = []
-    for trial in study.get_trials(deepcopy=False):
+    for trial in trials_of(study):
         point = params_of(trial)
         if not space.contains(point):
             continue
         if trial.state == TrialState.RUNNING:
             pending.append(point)
-        elif _finished_as_recorded(trial):
+        elif _finished_as_recorded(trial) and facts_readable(trial.user_attrs):
             known.add(result_from_trial(trial, point))
     return known, pending
+
+
+def trials_of(study) -> list:
+    """The study's trials; one line when Optuna cannot read them back (a value changed by hand in
+    the database, such as a NULL objective where Optuna wrote a number, fails an assertion of its)."""
+    try:
+        return study.get_trials(deepcopy=False)
+    except (AssertionError, ValueError, TypeError, KeyError) as exc:
+        raise UserError(f"study {study.study_name!r}: Optuna cannot read its trials back ({type(exc).__name__}: "
+                        f"{str(exc)[:100] or 'a value in the database is not what Optuna wrote'}); it was changed "
+                        "by hand or is damaged: search under another --study name") from None
 
 
 def _finished_as_recorded(trial) -> bool:
@@ -306,6 +360,36 @@ def _finished_as_recorded(trial) -> bool:
     expected = {"ok": (TrialState.COMPLETE,), "oom": (TrialState.PRUNED,),
                 "error": (TrialState.FAIL,), "timeout": (TrialState.FAIL,)}.get(status, ())
     return trial.state in expected
+
+
+def facts_readable(attrs: dict[str, Any]) -> bool:
+    """Whether a trial's facts are what `write_facts` writes where the plan and the report read
+    numbers: bytes, seconds and per-phase peaks that are finite and not negative, a phase's name.
+    A study changed by hand or by another tool (`peak_bytes: "abc"`, a NaN speed) broke the plan
+    and the report with tracebacks; such a trial is read as no result, so its point is probed again."""
+    def count(value: Any) -> bool:
+        return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                 and math.isfinite(value) and value >= 0)
+
+    phases = attrs.get("phases") or {}
+    return (all(count(attrs.get(key)) for key in
+                ("peak_bytes", "seconds_per_sample", "seconds_per_step", "timing_noise", "wall_seconds"))
+            and isinstance(phases, dict) and all(isinstance(name, str) and count(peak) for name, peak in phases.items())
+            and isinstance(attrs.get("phase"), (str, type(None)))
+            and (attrs.get("status") != "ok" or attrs.get("peak_bytes") is not None))
+
+
+def budget_of(study) -> tuple[int | None, float]:
+    """The study's budget (bytes, None: the whole card) and margin as recorded, or one line when
+    they are not (a study attribute changed by hand)."""
+    budget, margin = study.user_attrs.get("budget_bytes"), study.user_attrs.get("margin", 0.0)
+    if budget is not None and not (isinstance(budget, int) and not isinstance(budget, bool) and budget > 0):
+        raise UserError(f"study {study.study_name!r}: its budget_bytes is {_short(budget)}, not a number of bytes; "
+                        "it was changed by hand: search under another --study name")
+    if not (isinstance(margin, (int, float)) and not isinstance(margin, bool) and 0 <= margin < 1):
+        raise UserError(f"study {study.study_name!r}: its margin is {_short(margin)}, not a share of the budget; "
+                        "it was changed by hand: search under another --study name")
+    return budget, float(margin)
 
 
 def probes_in(study) -> int:
@@ -411,20 +495,28 @@ def _sqlite_lock(url: str):
         return
     import fcntl
 
-    with open(url[len("sqlite:///"):] + ".lock", "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    # Never through a link planted there (it created its target) nor a FIFO (the open waited forever).
+    fd = files.open_own_or_refuse(url[len("sqlite:///"):] + ".lock")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def _twin_in(earlier: list) -> int | None:
-    """The first of these earlier trials of a point that did not fail: it is the one to probe."""
+    """The first of these earlier trials of a point that did not fail: it is the one to probe. A
+    finished one whose facts `read` does not take as a result (changed by hand) is none: it is why
+    the point is planned again, and taking it for a twin failed every new claim, for ever."""
     from optuna.trial import TrialState
 
     for other in earlier:
-        if other.state != TrialState.FAIL and other.user_attrs.get("status") != "decided":
+        if other.state == TrialState.FAIL or other.user_attrs.get("status") == "decided":
+            continue
+        if other.state == TrialState.RUNNING or facts_readable(other.user_attrs):
             return other.number
     return None
 

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fitfinder import models
+from fitfinder import files, models
 from fitfinder.errors import UserError
 from fitfinder.jobconfig import write_atomic
 from fitfinder.probe.estimate import Estimator, margin_fitting, request_for as estimate_request
 from fitfinder.search import estimated, planner
-from fitfinder.units import format_bytes
+from fitfinder.units import MAX_BUDGET, MIN_BUDGET, format_bytes
 from fitfinder.verdict import CARD_SIZES_GB, FITS, NO_FIT, Verdict, Wall, WouldTake, limit_of
 
 GiB = 2**30
@@ -92,9 +92,11 @@ def parse_cards(text: str) -> tuple[float, ...]:
         try:
             size = float(item.removesuffix("GiB").removesuffix("GB"))
         except ValueError:
-            raise UserError(f"--cards: {item!r} is not a size in GiB (e.g. --cards 8,12,24)") from None
-        if size <= 0:
-            raise UserError(f"--cards: sizes must be positive, got {item}")
+            raise UserError(f"--cards: {item[:40]!r} is not a size in GiB (e.g. --cards 8,12,24)") from None
+        # The budgets --vram takes: nan and inf were tracebacks, 1e-300 a card of 0 bytes.
+        if not MIN_BUDGET <= size * GiB <= MAX_BUDGET:  # false for nan too
+            raise UserError(f"--cards: sizes in GiB must be between 1/1024 (1 MiB) and 1048576 (1 PiB), "
+                            f"got {item[:40]}")
         cards.append(size)
     if not cards:
         raise UserError("--cards: give at least one card size in GiB (e.g. --cards 8,12,24)")
@@ -197,8 +199,13 @@ def rows(tiers: list[dict[str, Any]]) -> list[list[str]]:
         label = f"{tier['card_gib']:g} GiB"
         if not tier["fits"]:
             wall = tier.get("wall")
-            why = f": {wall['phase']} needs {format_bytes(wall['peak_bytes'])} at the lightest point" if wall else ""
-            lines.append([label, "-", f"does not fit{why}", ""])
+            if not tier["proven"]:
+                found = "none found before the estimate cap"
+            elif wall:
+                found = f"does not fit: {wall['phase']} needs {format_bytes(wall['peak_bytes'])} at the lightest point"
+            else:
+                found = "does not fit"
+            lines.append([label, "-", found, ""])
             continue
         unproven = "" if tier["proven"] else " (estimate cap reached)"
         lines.append([label, format_bytes(tier["peak_bytes"]), (tier["differs"] or "the job as written") + unproven,
@@ -233,8 +240,8 @@ def write_jobs(job, table: TierTable, out_dir: Path) -> list[Path]:
 
 
 def read_json(out_dir: Path) -> dict[str, Any] | None:
-    path = Path(out_dir) / "tiers.json"
+    """tiers.json, or None when it is missing or unreadable (a FIFO there would block the read)."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        return json.loads(files.read_bounded(Path(out_dir) / "tiers.json", 16 << 20))
+    except (UserError, ValueError):
         return None
