@@ -491,7 +491,8 @@ def tiers(
             out.line(line)
         raise typer.Exit(verdict.exit_code)
     if not fitted:  # the estimate cap stopped every card's search: nothing is proven not to fit
-        raise RunFailed("no card's search found a fit before its estimate cap; raise `fitfinder: trials:` in the job file and run again")
+        raise RunFailed("no card's search found a fit before its estimate cap; raise `fitfinder: trials:` in the "
+                        "job file and run again")
 
 
 @app.command()
