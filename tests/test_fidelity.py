@@ -320,6 +320,42 @@ def test_families_whose_loader_never_offloads_ignore_the_keys_and_have_no_knob()
     assert "layer_offloading" in spaces.build(tiny_job("wan21")).by_name
 
 
+@pytest.mark.parametrize("family", ["qwen_image", "zimage"])
+def test_an_encoder_offloaded_in_host_memory_never_brings_its_offloaded_layers_to_the_device(family, monkeypatch):
+    """QwenImageModel.load_model, ZImageModel.load_model: MemoryManager.attach on the text encoder
+    before `text_encoder.to(device)` and before `quantize`, so its managed layers are quantized on the
+    CPU and only its embeddings and norms come: no moment of the load holds more than what stays on
+    the device after it. Attached after (as the probe did), the bf16 encoder came first."""
+    from dataclasses import replace
+
+    changes = {"model.quantize": True, "model.quantize_te": True, **OFFLOAD}
+    pipe, meter = _loaded(family, changes)
+    assert pipe.offloaded == {"transformer", "text_encoder"}
+    assert meter.phases["load"]["peak_reserved"] == meter.live_bytes
+    family_now = models.FAMILIES[family]
+    attached_after = {part: replace(where, offloaded_on_host="never") for part, where in family_now.placement.items()}
+    monkeypatch.setitem(models.FAMILIES, family, replace(family_now, placement=attached_after))
+    _, before = _loaded(family, changes)
+    assert before.live_bytes == meter.live_bytes
+    assert before.phases["load"]["peak_reserved"] > meter.phases["load"]["peak_reserved"]
+
+
+@pytest.mark.slow
+def test_an_encoder_offloaded_in_part_in_host_memory_estimates_to_the_sim_meters_bytes():
+    """Half of Qwen2.5-VL's layers offloaded: those quantized in host memory, the rest on the device."""
+    from fitfinder.probe import estimate
+    from fitfinder.probe.overhead import GpuOverhead
+
+    changes = {"model.quantize": True, "model.quantize_te": True, **OFFLOAD,
+               "model.layer_offloading_text_encoder_percent": 0.5}
+    runner = probe.ProbeRunner(timeout_s=300)
+    request = probe.request_for(tiny_job("qwen_image", changes), 3, "sim", None)
+    sim, fake = runner.run(request), runner.run(estimate.as_estimate(request, GpuOverhead.none()))
+    assert sim["status"] == fake["status"] == "ok", (sim.get("error"), fake.get("error"))
+    measured = {phase: stats["peak_allocated"] for phase, stats in sim["phase_stats"].items()}
+    assert {phase: stats["peak_live"] for phase, stats in fake["phase_stats"].items()} == measured
+
+
 def test_the_offloading_knob_writes_ai_toolkits_own_keys(tmp_path):
     from fitfinder import jobconfig
     from fitfinder import space as spaces
@@ -485,8 +521,9 @@ def test_flux_with_low_vram_holds_the_quantized_transformer_and_bf16_t5_together
 @pytest.mark.parametrize("family", ["zimage", "qwen_image", "ltx2"])
 def test_a_transformer_quantized_in_host_memory_waits_there_while_the_encoder_is_quantized(family, monkeypatch):
     """Z-Image, Qwen-Image and LTX-2 (load_model; quantize_model): the transformer reaches the device
-    after the text encoder was quantized on it, low_vram or not, so the bf16 encoder never meets it:
-    a lower load peak than AI Toolkit's shared placement (each part stays once loaded) gives."""
+    after the text encoder was quantized (on the device; LTX-2's Gemma 3 in host memory), low_vram or
+    not, so the bf16 encoder never meets it: a lower load peak than AI Toolkit's shared placement
+    (each part stays once loaded) gives."""
     from dataclasses import replace
 
     eight_bit = {"model.quantize": True, "model.quantize_te": True}
@@ -500,6 +537,26 @@ def test_a_transformer_quantized_in_host_memory_waits_there_while_the_encoder_is
         part: where for part, where in models.FAMILIES[family].placement.items() if part != "transformer"}))
     _, shared = _loaded(family, eight_bit)
     assert peaks[False] < shared.phases["load"]["peak_reserved"]
+
+
+def test_ltx2_quantizes_gemma_3_in_host_memory(monkeypatch):
+    """LTX2Model.load_model: `quantize(text_encoder, ...)` right after from_pretrained, on the CPU, then
+    `text_encoder.to(device)`: the bf16 Gemma 3 never reaches the device (the transformer, quantized
+    by quantize_model, waits in host memory meanwhile)."""
+    from fitfinder.models import _pipeline
+    from fitfinder.probe import meter as meters
+
+    meter, where, real = meters.SimMeter(None), {}, _pipeline.quantize
+
+    def recorded(module, qtype, repeated=None, only=None):
+        where[type(module).__name__] = "host" if meter.tracker.paused else "device"  # inside meter.host()
+        return real(module, qtype, repeated, only)
+
+    monkeypatch.setattr(_pipeline, "quantize", recorded)
+    request = probe.request_for(tiny_job("ltx2", {"model.quantize": True, "model.quantize_te": True}), 1, "sim", None)
+    with meter:
+        models.load_pipeline(request["model"], request, meter)
+    assert where == {"LTX2VideoTransformer3DModel": "host", "Gemma3ForConditionalGeneration": "host"}
 
 
 def test_wan22_with_low_vram_holds_one_expert_and_only_while_it_predicts():

@@ -100,6 +100,13 @@ def attach(part: torch.nn.Module, percent: float, meter, rings: Rings) -> int:
     """Offload `percent` of the part's layers: their weights to host memory, their forward through
     the rings. Returns how many layers went. Call it before the LoRA is added, as AI Toolkit does."""
     layers = chosen(offloadable(part), percent) if percent > 0 else []
+    attach_layers(part, layers, meter, rings)
+    return len(layers)
+
+
+def attach_layers(part: torch.nn.Module, layers: list, meter, rings: Rings) -> None:
+    """Offload these layers of the part (`attach`'s choice, or its choice made before the layers
+    were quantized in place, as AI Toolkit's attach runs before torchao swaps a managed layer's weight)."""
     for layer in layers:
         for name in ("weight", "bias"):
             param = layer._parameters.get(name)
@@ -117,7 +124,6 @@ def attach(part: torch.nn.Module, percent: float, meter, rings: Rings) -> int:
         layer.offloaded = True
     if layers:
         part.to = _managed_to(part)
-    return len(layers)
 
 
 def _managed_to(part: torch.nn.Module):

@@ -19,7 +19,7 @@ import torch
 
 from fitfinder.models import FAMILIES, _fake, _offload
 from fitfinder.models._common import Inputs
-from fitfinder.models._weights import build_part, lora_targets, quantize
+from fitfinder.models._weights import QUANTO_TYPES, build_part, lora_targets, quantize
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -79,19 +79,25 @@ def load(spec: dict, settings: dict, meter) -> Pipeline:
     quantized = {part for part, qtype in qtypes.items() if qtype}
     for loading in family.load_plan(low_vram, quantized):
         part, qtype = loading.part, qtypes[loading.part]
+        share = _offload_share(family, part, settings)
+        offloaded_first = bool(share) and loading.offloaded_on_host
         with meter.host():
-            module = _build(spec, part, pipe.dtype, "cpu" if loading.built_on_host else meter.device, meter)
+            module = _build(spec, part, pipe.dtype,
+                            "cpu" if loading.built_on_host or offloaded_first else meter.device, meter)
             for path in family.dropped.get(part, ()):  # gone before anything counts it
                 owner, _, name = path.rpartition(".")
                 setattr(module.get_submodule(owner), name, None)
             if qtype and loading.built_on_host:
                 quantize(module, qtype, meter.repeated)
-        pipe.parts[part] = module
+            pipe.parts[part] = module
+            if offloaded_first:  # its offloaded layers never reach the device (Placement.offloaded_on_host)
+                _offload_in_host_memory(pipe, part, share, None if loading.built_on_host else qtype)
         if loading.comes_on:
             pipe.place(pipe.on_device | {part})  # whole, to be quantized here, or quantized already
             if qtype and not loading.built_on_host:
-                quantize(pipe.parts[part], qtype, meter.repeated)
-        _offload_layers(pipe, part, settings)  # after quantizing, before the LoRA, wherever the part is
+                quantize(pipe.parts[part], qtype, meter.repeated)  # offloaded layers are quantized already
+        if not offloaded_first:
+            _offload_layers(pipe, part, share)  # after quantizing, before the LoRA, wherever the part is
         if loading.leaves:
             pipe.place(pipe.on_device - {part})
     pipe.place(family.after_load(low_vram, quantized))
@@ -105,14 +111,52 @@ def load(spec: dict, settings: dict, meter) -> Pipeline:
     return pipe
 
 
-def _offload_layers(pipe: Pipeline, part: str, settings: dict) -> None:
-    """AI Toolkit's block swap on a loaded, quantized part, before its LoRA (models/_offload.py):
-    the family's loader attaches it to the denoisers and the text encoder (Family.layer_offloading)."""
+def _offload_share(family, part: str, settings: dict) -> float:
+    """The share of the part's layers the family's loader offloads (Family.layer_offloading): the
+    denoisers' percent, or the text encoders' for them and Family.offloaded_with_text_encoders; 0: none."""
     shares = settings.get("layer_offloading") or {}
-    family = pipe.family
-    kind = "denoiser" if part in family.denoisers else "text_encoder" if part in family.text_encoders else None
-    if kind and shares.get(kind) and _offload.attach(pipe.parts[part], shares[kind], pipe.meter, pipe.offload_rings):
+    if part in family.denoisers:
+        return shares.get("denoiser", 0.0)
+    if part in family.text_encoders or part in family.offloaded_with_text_encoders:
+        return shares.get("text_encoder", 0.0)
+    return 0.0
+
+
+def _offload_layers(pipe: Pipeline, part: str, share: float) -> None:
+    """AI Toolkit's block swap on a loaded, quantized part, before its LoRA (models/_offload.py)."""
+    if share and _offload.attach(pipe.parts[part], share, pipe.meter, pipe.offload_rings):
         pipe.offloaded.add(part)
+
+
+def _offload_in_host_memory(pipe: Pipeline, part: str, share: float, qtype: str | None) -> None:
+    """The block swap attached while the part is in host memory, before it moves and, with `qtype`,
+    before it is quantized (QwenImageModel.load_model and the loaders Placement.offloaded_on_host
+    names: MemoryManager.attach, then `.to(device)`, then `quantize`; AI Toolkit commit 27a03a91).
+
+    The managed layers' weights stay in host memory and are quantized there: torchao's float8 and
+    int8 (what `qfloat8` becomes under layer offloading, toolkit/config_modules.py ModelConfig) swap
+    the weight of the same Linear, whose bounced forward reads it at each call, so the layer stays
+    offloaded with its quantized bytes. AI Toolkit's grouped uint formats swap the class in place
+    (toolkit/util/ostris_quant.py convert_linear_to_ostris) and the bounce then reads OstrisLinear's
+    `weight` property, the weight dequantized in host memory: the device sees the bf16 weight either
+    way, so those layers stay in bf16 here. The other layers come to the device and are quantized
+    there, with the rest of the part (`load`)."""
+    module = pipe.parts[part]
+    layers = _offload.chosen(_offload.offloadable(module), share)
+    if qtype and _weights_quantized_in_place(qtype):
+        names = {id(layer): name for name, layer in module.named_modules()}
+        chosen = [names[id(layer)] for layer in layers]
+        quantize(module, qtype, pipe.meter.repeated, only=set(chosen))
+        layers = [module.get_submodule(name) for name in chosen]
+    _offload.attach_layers(module, layers, pipe.meter, pipe.offload_rings)
+    if layers:
+        pipe.offloaded.add(part)
+
+
+def _weights_quantized_in_place(qtype: str) -> bool:
+    """Whether a qtype keeps a quantized weight on the layer (torchao's and quanto's names), rather
+    than AI Toolkit's grouped uint formats, whose layers hold no weight (models._weights.GroupedLinear)."""
+    return qtype.split("|")[0].strip().lower() in QUANTO_TYPES
 
 
 def _build(spec: dict, part: str, dtype: torch.dtype, device, meter) -> torch.nn.Module:

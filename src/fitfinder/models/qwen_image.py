@@ -20,7 +20,10 @@ LORA_BLOCKS = r"transformer_blocks\.\d+\..*"
 # QwenImageModel.load_model: the transformer is quantized with model.qtype by quantize_model
 # (toolkit/util/quantize.py: block by block, each moved back to the CPU), then moved to the device
 # unless low_vram; Qwen2.5-VL is moved to the device in bf16 and quantized there with model.qtype_te
-# (`quantize(text_encoder, weights=get_qtype(self.model_config.qtype_te))`), low_vram or not, and stays.
+# (`quantize(text_encoder, weights=get_qtype(self.model_config.qtype_te))`), low_vram or not, and stays
+# (under layer_offloading: attached in host memory first, see PLACEMENT).
+PLACEMENT = {"transformer": Placement(quantized_on="host", after_load="waits", offloaded_on_host="always"),
+             "text_encoder": Placement(offloaded_on_host="always")}
 FAMILY = Family(
     name="qwen_image",
     denoisers=("transformer",),
@@ -38,8 +41,11 @@ FAMILY = Family(
     dropped={"text_encoder": ("model.visual",)},
     # QwenImageModel.load_model: the transformer waits in host memory (quantize_model, or not
     # quantized) while Qwen2.5-VL comes in bf16 and is quantized on the device, then comes, low_vram
-    # or not (with it, BaseSDTrainProcess.run moves it).
-    placement={"transformer": Placement(quantized_on="host", after_load="waits")},
+    # or not (with it, BaseSDTrainProcess.run moves it). Under layer_offloading both are attached in
+    # host memory: the transformer after quantize_model, Qwen2.5-VL before `text_encoder.to(device)`
+    # and before `quantize`, so its offloaded layers are quantized on the CPU and only its embeddings
+    # and norms (and the layers left out of the share) come to the device.
+    placement=PLACEMENT,
     # QwenImageModel.generate_single_image tiles the preview's decode under low_vram (and flushes the
     # cache between steps, which frees nothing live); its pipeline moves no part.
     tiled_preview_decode=True,

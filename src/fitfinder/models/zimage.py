@@ -33,8 +33,11 @@ FAMILY = Family(
     tokenizer="tokenizer",
     # ZImageModel.load_model: the transformer is loaded in host memory (quantized there a block at a
     # time, OstrisModelMixin.quantize_) and waits there while Qwen3 comes in bf16 and is quantized on
-    # the device, then comes, low_vram or not (with it, BaseSDTrainProcess.run moves it).
-    placement={"transformer": Placement(quantized_on="host", after_load="waits")},
+    # the device, then comes, low_vram or not (with it, BaseSDTrainProcess.run moves it). Under
+    # layer_offloading both are attached in host memory, Qwen3 before `text_encoder.to(device)` and
+    # before `quantize`, as Qwen-Image's loader does (qwen_image.PLACEMENT).
+    placement={"transformer": Placement(quantized_on="host", after_load="waits", offloaded_on_host="always"),
+               "text_encoder": Placement(offloaded_on_host="always")},
 )
 
 
