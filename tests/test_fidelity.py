@@ -573,6 +573,34 @@ def test_wan22_with_low_vram_holds_one_expert_and_only_while_it_predicts():
     assert pipe.on_device == {"text_encoder", "vae"}
 
 
+def _on_the_device(meter, tensors) -> bool:
+    """Whether the sim meter counts every one of these tensors (each storage is live on its device)."""
+    return all(tensor.untyped_storage()._cdata in meter.tracker.live for tensor in tensors)
+
+
+def test_the_lora_stays_on_the_device_wherever_its_model_goes():
+    """BaseSDTrainProcess.run: `network.force_to(device, torch.float32)` once; AI Toolkit's LoRA is a
+    network of its own, so what moves a model later leaves it on the device: Wan 2.2's experts left in
+    host memory under low_vram (DualWanTransformer3DModel), and the latent-caching pass, which holds the
+    VAE alone ('cache_latents' preset)."""
+    import torch
+
+    pipe, meter = _loaded("wan22", {"model.low_vram": True})
+    assert pipe.on_device == {"text_encoder", "vae"}
+    lora = {name: pipe.trainable_parameters([name]) for name in pipe.family.denoisers}
+    frozen = {name: [p for p in pipe.parts[name].parameters() if not p.requires_grad] for name in lora}
+    assert all(lora.values()) and {p.dtype for params in lora.values() for p in params} == {torch.float32}
+    assert _on_the_device(meter, lora["transformer"] + lora["transformer_2"])
+    assert not any(_on_the_device(meter, [p]) for params in frozen.values() for p in params)
+    request = probe.request_for(tiny_job("wan22", {"model.low_vram": True}), 1, "sim", None)
+    with meter:
+        pipe.place(probe.resident("train", request, pipe.family, active="transformer"))
+        assert _on_the_device(meter, frozen["transformer"] + lora["transformer_2"])
+        assert not any(_on_the_device(meter, [p]) for p in frozen["transformer_2"])
+        pipe.place(probe.resident("latents", request, pipe.family))  # the caching pass (cache_latents_to_disk)
+        assert pipe.on_device == {"vae"} and _on_the_device(meter, lora["transformer"] + lora["transformer_2"])
+
+
 def test_wan21_i2v_with_low_vram_sends_umt5_and_the_image_encoder_back_until_used():
     """Wan21I2V.load_model: UMT5 and the CLIP vision tower go to the CPU once loaded under low_vram;
     get_noise_prediction brings the tower at the first step. Without low_vram no preset moves it."""

@@ -45,13 +45,31 @@ class Pipeline:
         self.offloaded: set[str] = set()
 
     def place(self, wanted: set[str]) -> None:
-        """Exactly the loaded parts in `wanted` on the device: leaving parts go first, then arriving ones."""
+        """Exactly the loaded parts in `wanted` on the device: leaving parts go first, then arriving ones.
+        A leaving part's LoRA stays on the device (`keep_lora_on_device`)."""
         for name in sorted(self.on_device - wanted):
             self.parts[name] = self.meter.to_host(self.parts[name])
             self.on_device.discard(name)
+            self.keep_lora_on_device(name)
         for name in sorted((wanted & self.parts.keys()) - self.on_device):
             self.parts[name] = self.meter.to_device(self.parts[name])
             self.on_device.add(name)
+
+    def keep_lora_on_device(self, name: str) -> None:
+        """The part's LoRA (its peft adapters, with their gradients) on the device wherever the part is.
+
+        AI Toolkit's LoRA is a network of its own, not a submodule of the model: BaseSDTrainProcess.run
+        moves it to the device once (`network.force_to(self.device_torch, dtype=torch.float32)`), and
+        what moves the model afterwards moves the model alone: the device presets of the caching passes
+        (toolkit/stable_diffusion_model.py set_device_state_preset) and Wan 2.2's expert swap
+        (wan22_14b_model.py DualWanTransformer3DModel, `transformer.to("cpu")`). AI Toolkit commit 27a03a91.
+        """
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        for layer in self.parts[name].modules():
+            if isinstance(layer, BaseTunerLayer):
+                for adapters in layer.adapter_layer_names:
+                    self.meter.to_device(getattr(layer, adapters))
 
     def unload(self, name: str) -> None:
         """Drop a part for good (AI Toolkit's unloaded text encoders): its memory is freed."""
@@ -108,6 +126,7 @@ def load(spec: dict, settings: dict, meter) -> Pipeline:
         else:
             with meter.host():
                 make_trainable(pipe, name, settings)
+            pipe.keep_lora_on_device(name)  # network.force_to: the LoRA of a part left in host memory too
     return pipe
 
 
