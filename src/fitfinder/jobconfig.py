@@ -86,6 +86,17 @@ def _qtype_name(value: Any) -> str:
     return str(value).split("|")[0].strip().lower()
 
 
+# network.type values fitfinder follows (AI Toolkit's BaseSDTrainProcess.run: 'locon' and 'lycoris' take
+# LycorisSpecialNetwork; toolkit/lora_special.py: 'lokr' takes LokrModule; 'dora', 'fullrank' and 'lorm'
+# are not followed).
+NETWORK_TYPES = ("lora", "lokr", "locon", "lycoris")
+
+
+def network_type(job: "JobFile") -> str:
+    """AI Toolkit's NetworkConfig.type, lower case ('lora' by default)."""
+    return str(job.get("network.type", None) or "lora").lower()
+
+
 def is_full_fine_tune(job: "JobFile") -> bool:
     """No `network` section: AI Toolkit trains the denoiser's own weights."""
     return not job.has("network")
@@ -467,6 +478,7 @@ _INTEGERS = {
     "sample.sample_steps": (1, 10_000), "sample.num_frames": FRAMES,
     "sample.sample_every": (1, 100_000_000), "sample.seed": (-(2**63), 2**63 - 1),
     "save.save_every": (1, 100_000_000),
+    "network.lokr_factor": (-1, 1_000_000),  # NetworkConfig: -1 (the default) splits each side most evenly
 }
 _DATASET_INTEGERS = {"num_frames": FRAMES, "bucket_tolerance": (1, 4096), "num_repeats": (1, 1_000_000)}
 _NUMBERS = {  # (low, high, low excluded)
@@ -480,7 +492,7 @@ _OPTIONAL_TEXTS = ("sample.neg", "trigger_word")  # `neg:` left empty reads as n
 _SWITCHES = ("train.gradient_checkpointing", "train.skip_first_sample", "train.disable_sampling",
              "train.cache_text_embeddings", "train.unload_text_encoder", "model.quantize", "model.quantize_te",
              "model.low_vram", "model.is_flux", "model.is_xl", "model.layer_offloading", "sample.walk_seed",
-             "train.ema_config.use_ema")
+             "train.ema_config.use_ema", "network.lokr_full_rank")
 
 
 def _value_problems(job: JobFile) -> list[str]:
@@ -516,6 +528,8 @@ def _value_problems(job: JobFile) -> list[str]:
               f"a number {'above' if open_low else 'from'} {low} {'and at most' if open_low else 'to'} {high}")
     for path in _STRINGS:
         check(path, lambda v: isinstance(v, str) and v.strip() != "", "a text")
+    check("network.type", lambda v: not isinstance(v, str) or v.strip() == "" or v.lower() in NETWORK_TYPES,
+          f"one of {', '.join(NETWORK_TYPES)} (the networks fitfinder probes as AI Toolkit builds them)")
     for path in _OPTIONAL_TEXTS:
         check(path, lambda v: v is None or isinstance(v, str), "a text")
     for path in _SWITCHES:

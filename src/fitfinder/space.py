@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 
 from fitfinder.errors import ConfigError
 from fitfinder.jobconfig import (AITK_DEFAULTS, FRAMES, PIXELS, RANKS, JobFile, brief, int_in, is_full_fine_tune,
-                                 optimizer_name)
+                                 network_type, optimizer_name)
 
 Point = dict[str, Any]  # knob name -> one of its candidates (a JSON scalar)
 
@@ -292,6 +292,8 @@ MIN_RANK = 4  # below this a LoRA learns little; an override may still ask for l
 def _rank(job: JobFile, override: list | None, video: bool) -> Knob | None:
     if is_full_fine_tune(job):
         return None  # no LoRA: the whole denoiser trains
+    if network_type(job) == "lokr" and job.get("network.lokr_full_rank", True):
+        return None  # NetworkConfig: a full-rank LoKr ignores network.linear (its factors are whole)
     desired = job.lora_rank
     if override is None:
         values = [2**i for i in range(0, 16) if MIN_RANK <= 2**i < desired] + [desired]

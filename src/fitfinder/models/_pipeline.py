@@ -17,7 +17,7 @@ import re
 
 import torch
 
-from fitfinder.models import FAMILIES, _fake, _offload
+from fitfinder.models import FAMILIES, _fake, _lokr, _offload
 from fitfinder.models._common import Inputs
 from fitfinder.models._weights import QUANTO_TYPES, build_part, lora_targets, quantize
 
@@ -70,6 +70,8 @@ class Pipeline:
             if isinstance(layer, BaseTunerLayer):
                 for adapters in layer.adapter_layer_names:
                     self.meter.to_device(getattr(layer, adapters))
+            elif isinstance(layer, _lokr.Lokr):
+                self.meter.to_device(layer)
 
     def unload(self, name: str) -> None:
         """Drop a part for good (AI Toolkit's unloaded text encoders): its memory is freed."""
@@ -212,12 +214,19 @@ def _add_lora(pipe: Pipeline, name: str, settings: dict) -> None:
     denoiser = pipe.parts[name]
     torch.manual_seed(settings.get("seed", 0))
     conv_rank = settings.get("conv_rank")
-    targets, conv_targets = lora_targets(denoiser, pipe.family.lora_blocks, pipe.family.lora_convs, conv_rank)
-    # network.network_kwargs.ignore_if_contains: AI Toolkit skips every layer whose name holds one
-    # (toolkit/lora_special.py, LoRASpecialNetwork.create_modules; HiDream's example leaves the MoE out).
-    ignored = settings.get("lora_ignore") or []
-    targets, conv_targets = ([name for name in names if not any(word in name for word in ignored)]
-                             for names in (targets, conv_targets))
+    kind = settings.get("network_type", "lora")
+    if kind == "locon":
+        targets, conv_targets = _locon_targets(denoiser, conv_rank)
+    else:
+        targets, conv_targets = lora_targets(denoiser, pipe.family.lora_blocks, pipe.family.lora_convs, conv_rank)
+        # network.network_kwargs.ignore_if_contains: AI Toolkit skips every layer whose name holds one
+        # (toolkit/lora_special.py, LoRASpecialNetwork.create_modules; HiDream's example leaves the MoE out).
+        ignored = settings.get("lora_ignore") or []
+        targets, conv_targets = ([name for name in names if not any(word in name for word in ignored)]
+                                 for names in (targets, conv_targets))
+    if kind == "lokr":
+        _add_lokr(pipe, name, targets, conv_targets, settings)
+        return
     # The convolutions network.conv asks for take its rank and alpha (peft: a pattern per layer name).
     at_conv = [f"^{re.escape(name)}$" for name in conv_targets]
     config = LoraConfig(r=settings["rank"], lora_alpha=settings["alpha"], target_modules=targets + conv_targets,
@@ -236,6 +245,53 @@ def _add_lora(pipe: Pipeline, name: str, settings: dict) -> None:
     for param in denoiser.parameters():
         if param.requires_grad:
             param.data = param.data.to(torch.float32)
+    if settings["gradient_checkpointing"]:
+        denoiser.enable_gradient_checkpointing()
+
+
+# toolkit/lycoris_special.py LycorisSpecialNetwork.UNET_TARGET_REPLACE_MODULE: the classes whose layers
+# a LoCon wraps (its UNET_TARGET_REPLACE_NAME, conv_in, conv_out and the time embedding, is never passed
+# to create_modules for the UNet).
+LOCON_BLOCKS = ("Transformer2DModel", "ResnetBlock2D", "Downsample2D", "Upsample2D")
+
+
+def _locon_targets(denoiser: torch.nn.Module, conv_rank: int | None) -> tuple[list[str], list[str]]:
+    """A LoCon's layers (network.type locon or lycoris: BaseSDTrainProcess.run builds a
+    LycorisSpecialNetwork, toolkit/lycoris_special.py create_modules): in each module of LOCON_BLOCKS,
+    every Linear and 1x1 convolution at the rank, the larger convolutions at `network.conv`'s when set.
+    The layers train as a LoRA's do (LoConSpecialModule: lora_down, lora_up, ToolkitModuleMixin's fp32
+    forward); the probe leaves out the one fp32 scalar each LoConSpecialModule multiplies its update by."""
+    at_rank, at_conv = [], []
+    for block_name, block in denoiser.named_modules():
+        if type(block).__name__ not in LOCON_BLOCKS:
+            continue
+        for child_name, child in block.named_modules():
+            full = f"{block_name}.{child_name}" if child_name else block_name
+            if type(child).__name__ == "Linear":
+                at_rank.append(full)
+            elif type(child).__name__ == "Conv2d":
+                if child.kernel_size[0] == 1:
+                    at_rank.append(full)
+                elif conv_rank:
+                    at_conv.append(full)
+    return at_rank, at_conv
+
+
+def _add_lokr(pipe: Pipeline, name: str, targets: list[str], conv_targets: list[str], settings: dict) -> None:
+    """AI Toolkit's LoKr (models/_lokr.py) on the LoRA's layers: made in host memory in fp32, then on
+    the device with the part (`network.force_to(device, torch.float32)`)."""
+    denoiser = pipe.parts[name]
+    arguments = (denoiser, targets, conv_targets, settings["rank"], settings["alpha"], settings.get("conv_rank"),
+                 settings.get("conv_alpha"), settings.get("lokr_factor", -1))
+    with pipe.meter.host():
+        if getattr(pipe.meter, "fake", False):
+            with _fake.plain_meta():
+                _lokr.add(*arguments)
+            _fake.materialize(denoiser)
+        else:
+            _lokr.add(*arguments)
+    if name in pipe.on_device:
+        pipe.parts[name] = pipe.meter.to_device(denoiser)
     if settings["gradient_checkpointing"]:
         denoiser.enable_gradient_checkpointing()
 

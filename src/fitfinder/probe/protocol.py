@@ -60,6 +60,8 @@ class ProbeRequest(TypedDict):
     lora_ignore: NotRequired[list[str]]  # a LoRA's network_kwargs.ignore_if_contains: layers it leaves out
     conv_rank: NotRequired[Optional[int]]  # network.conv: the rank of the LoRA on larger convolutions (UNets)
     conv_alpha: NotRequired[Optional[float]]
+    network_type: NotRequired[str]  # lora (default), lokr or locon: how the LoRA is built (models._pipeline)
+    lokr_factor: NotRequired[int]  # network.lokr_factor: a LoKr's factor (-1: most even)
     optimizer: str
     optimizer_params: dict[str, Any]
     ema_decay: Optional[float]  # None without EMA

@@ -468,9 +468,11 @@ def _training_latents(pipe, request: dict, side: int, frames: int, heaviest: boo
 def _optimizer(request: dict, pipe, trained: list[str]):
     """The job's optimizer as AI Toolkit builds it (see optimizers.py), over the trained parameters."""
     from fitfinder import optimizers  # torch: only in the child, never where a request is built
+    from fitfinder.models._lokr import STARTS_AT_ZERO
 
+    # peft's B starts at zero, and a LoKr's larger factor (or its second half)
     zero_at_start = [param for name in trained for param_name, param in pipe.parts[name].named_parameters()
-                     if param.requires_grad and ".lora_B." in param_name]  # peft's B starts at zero
+                     if param.requires_grad and (".lora_B." in param_name or param_name.endswith(STARTS_AT_ZERO))]
     return optimizers.build(request["optimizer"], pipe.trainable_parameters(trained), request["lr"],
                             request.get("optimizer_params"), zero_at_start)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fitfinder import jobconfig, models
+from fitfinder.errors import UserError
 from fitfinder.probe.protocol import ProbeRequest, SampleSettings
 
 # Denoising steps of a preview in a probe: each step costs the same memory, so two show the
@@ -47,7 +48,7 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
         "batch_size": int(job.get("train.batch_size")),
         "accumulation": job.accumulation,
         "gradient_checkpointing": bool(job.get("train.gradient_checkpointing")),
-        **_trained_weights(job),
+        **_trained_weights(job, family),
         "optimizer": jobconfig.optimizer_name(job.get("train.optimizer")),
         "optimizer_params": json.loads(json.dumps(job.get("train.optimizer_params", None) or {})),
         "ema_decay": _ema_decay(job),
@@ -101,21 +102,38 @@ def layer_offloading(job, family) -> dict[str, float]:
             "text_encoder": float(job.get("model.layer_offloading_text_encoder_percent", 1.0))}
 
 
-def _trained_weights(job) -> dict[str, Any]:
-    """A LoRA's rank and alpha; or, without `network` (a full fine-tune), rank None and the
-    parameter name filters AI Toolkit applies to the denoiser (model.only_if_contains and
-    ignore_if_contains, matched as substrings of "transformer.NAME" / "unet.NAME")."""
+# NetworkConfig (toolkit/config_modules.py): lokr_full_rank, true by default, sets linear,
+# linear_alpha, conv and conv_alpha to this for a LoKr.
+LOKR_FULL_RANK = 9999999999
+
+
+def _trained_weights(job, family) -> dict[str, Any]:
+    """A LoRA's rank and alpha, and its kind (`network_type`: lora, lokr, or locon, which AI Toolkit
+    also calls lycoris); or, without `network` (a full fine-tune), rank None and the parameter name
+    filters AI Toolkit applies to the denoiser (model.only_if_contains and ignore_if_contains,
+    matched as substrings of "transformer.NAME" / "unet.NAME")."""
     if jobconfig.is_full_fine_tune(job):
         return {"rank": None, "alpha": None,
                 "only_if_contains": list(job.get("model.only_if_contains", None) or []),
                 "ignore_if_contains": list(job.get("model.ignore_if_contains", None) or [])}
+    kind = jobconfig.network_type(job)
+    kind = "locon" if kind == "lycoris" else kind
+    if kind == "locon" and not family.lora_convs:
+        raise UserError(f"{job.source}: config.process[0].network.type: {job.get('network.type')}: AI Toolkit's "
+                        "LyCORIS network (toolkit/lycoris_special.py) wraps UNet blocks only and finds no layer "
+                        f"to train in {family.name}; use type: lora or lokr")
     conv = job.get("network.conv", None)
-    return {"rank": job.lora_rank, "alpha": job.lora_alpha,
+    rank, alpha = job.lora_rank, job.lora_alpha
+    conv_alpha = float(job.get("network.conv_alpha", None) or conv) if conv else None
+    if kind == "lokr" and job.get("network.lokr_full_rank", True):
+        rank = alpha = conv = conv_alpha = LOKR_FULL_RANK
+    return {"rank": rank, "alpha": alpha, "network_type": kind,
             # AI Toolkit's LoRA leaves out the layers whose names hold one of these (lora_special.py)
             "lora_ignore": [str(word) for word in job.get("network.network_kwargs.ignore_if_contains", None) or []],
             # NetworkConfig: `conv` (None: no LoRA on the larger convolutions), `conv_alpha` defaulting to it
             "conv_rank": int(conv) if conv else None,
-            "conv_alpha": float(job.get("network.conv_alpha", None) or conv) if conv else None}
+            "conv_alpha": conv_alpha,
+            **({"lokr_factor": int(job.get("network.lokr_factor", -1))} if kind == "lokr" else {})}
 
 
 def _ema_decay(job) -> float | None:
