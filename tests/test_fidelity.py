@@ -378,6 +378,41 @@ def test_the_offloading_knob_writes_ai_toolkits_own_keys(tmp_path):
     assert probe.request_for(turned_off, 3, "sim", None)["layer_offloading"]["denoiser"] == 0.0
 
 
+# -- output preservation (issue 34, item 3) ------------------------------------------------------
+@pytest.mark.slow
+def test_output_preservation_holds_a_second_prediction_until_the_backward_and_estimates_to_the_same_bytes():
+    """SDTrainer.train_single_accumulation with blank_prompt_preservation (or diff_output_preservation):
+    a prior prediction without gradients, the network off, then the step's prediction and the
+    preservation prediction, both with gradients, through one backward."""
+    from fitfinder.probe import estimate
+    from fitfinder.probe.overhead import GpuOverhead
+
+    runner = probe.ProbeRunner(timeout_s=300)
+    plain = runner.run(probe.request_for(tiny_job("flux"), 3, "sim", None))
+    request = probe.request_for(tiny_job("flux", {"train.blank_prompt_preservation": True}), 3, "sim", None)
+    kept, fake = runner.run(request), runner.run(estimate.as_estimate(request, GpuOverhead.none()))
+    assert plain["status"] == kept["status"] == fake["status"] == "ok", (kept.get("error"), fake.get("error"))
+    # the train phase holds the second graph; the encoders' phase the preservation prompt
+    assert kept["phases"]["train"] > plain["phases"]["train"]
+    assert kept["phases"]["text_encoder"] > plain["phases"]["text_encoder"]
+    assert kept["phases"]["load"] == plain["phases"]["load"]
+    measured = {phase: stats["peak_allocated"] for phase, stats in kept["phase_stats"].items()}
+    assert {phase: stats["peak_live"] for phase, stats in fake["phase_stats"].items()} == measured
+
+
+def test_output_preservation_is_refused_as_ai_toolkit_refuses_it():
+    from fitfinder.errors import UserError
+
+    for changes, said in (({"train.diff_output_preservation": True}, "requires a trigger_word"),
+                          ({"train.diff_output_preservation": True, "train.blank_prompt_preservation": True,
+                            "trigger_word": "sks"}, "together")):
+        with pytest.raises(UserError) as refused:
+            probe.request_for(tiny_job("flux", changes), 1, "sim", None)
+        assert said in str(refused.value) and "\n" not in str(refused.value)
+    assert probe.request_for(tiny_job("flux", {"train.diff_output_preservation": True, "trigger_word": "sks"}),
+                             1, "sim", None)["preservation"] is True
+
+
 # -- item 2: quanto's qint4 in quanto's own layout, on fake tensors too -----------------------------
 def _qint4_block_peaks(meter):
     """Each phase's peak for three qint4 layers (bf16, whole groups of 128: TinyGemm's layout) quantized,

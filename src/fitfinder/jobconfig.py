@@ -492,7 +492,8 @@ _OPTIONAL_TEXTS = ("sample.neg", "trigger_word")  # `neg:` left empty reads as n
 _SWITCHES = ("train.gradient_checkpointing", "train.skip_first_sample", "train.disable_sampling",
              "train.cache_text_embeddings", "train.unload_text_encoder", "model.quantize", "model.quantize_te",
              "model.low_vram", "model.is_flux", "model.is_xl", "model.layer_offloading", "sample.walk_seed",
-             "train.ema_config.use_ema", "network.lokr_full_rank")
+             "train.ema_config.use_ema", "network.lokr_full_rank", "train.diff_output_preservation",
+             "train.blank_prompt_preservation")
 
 
 def _value_problems(job: JobFile) -> list[str]:

@@ -93,7 +93,11 @@ class Lokr(torch.nn.Module):
             torch.nn.init.zeros_(self.w2_b)
         self.base_forward = base.forward
 
+    active = True  # False: the network is off (`network.is_active`), the base layer alone runs
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.active:
+            return self.base_forward(x)
         return self._conv_forward(x) if self.conv else self._linear_forward(x)
 
     def _linear_forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ Family.dropped.
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import torch
@@ -72,6 +73,25 @@ class Pipeline:
                     self.meter.to_device(getattr(layer, adapters))
             elif isinstance(layer, _lokr.Lokr):
                 self.meter.to_device(layer)
+
+    @contextlib.contextmanager
+    def lora_off(self, name: str):
+        """The part's LoRA skipped while inside, as `network.is_active = False` makes AI Toolkit's
+        modules forward the base layer alone (toolkit/network_mixins.py ToolkitModuleMixin.forward)."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        def switch(on: bool) -> None:
+            for layer in self.parts[name].modules():
+                if isinstance(layer, BaseTunerLayer):
+                    layer.enable_adapters(on)
+                elif isinstance(layer, _lokr.Lokr):
+                    layer.active = on
+
+        switch(False)
+        try:
+            yield
+        finally:
+            switch(True)
 
     def unload(self, name: str) -> None:
         """Drop a part for good (AI Toolkit's unloaded text encoders): its memory is freed."""

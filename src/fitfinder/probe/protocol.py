@@ -65,6 +65,7 @@ class ProbeRequest(TypedDict):
     optimizer: str
     optimizer_params: dict[str, Any]
     ema_decay: Optional[float]  # None without EMA
+    preservation: NotRequired[bool]  # diff_output_ or blank_prompt_preservation: a prior and a second prediction
     lr: float
     trained: list[str]  # the denoisers that get a LoRA, or train whole
     switch_every: int  # two-expert models

@@ -124,16 +124,20 @@ def _recipe(request: dict, meter, result: dict) -> None:
         prompts = _encode_text(pipe, request)
     # The captions' embeddings wait on the host until the steps that use them, as a trainer keeps
     # cached embeddings (or encodes each batch when its step comes); the sample prompts stay.
-    prompts["train"] = {key: meter.to_host(value) for key, value in prompts["train"].items()}
+    held = [kind for kind in ("train", "preservation") if kind in prompts]
+    for kind in held:
+        prompts[kind] = {key: meter.to_host(value) for key, value in prompts[kind].items()}
     with _phase("latents", pipe, request):
         _encode_latents(pipe, request)
     if sample["first"]:
         with _phase("sample", pipe, request), _ema_weights(ema):
             _sample(pipe, request, prompts)
     with _phase("train", pipe, request):
-        prompts["train"] = {key: meter.to_device(value) for key, value in prompts["train"].items()}
+        for kind in held:
+            prompts[kind] = {key: meter.to_device(value) for key, value in prompts[kind].items()}
         optimizer = _train(pipe, request, prompts, result, ema)
-    del prompts["train"]  # and end with the training steps
+    for kind in held:  # and end with the training steps
+        del prompts[kind]
     if sample["last"]:
         # A preview during training: the optimizer's state is still held, as in a run that
         # samples every N steps.
@@ -226,6 +230,8 @@ def _encode_text(pipe, request: dict) -> dict:
     batch = request["batch_size"] if request["text_encoder"] == "keep" else 1
     with torch.no_grad():
         prompts = {"train": pipe.recipe.encode_prompts(encoders, batch)}
+        if request.get("preservation"):  # the class or blank prompt, expanded to the batch
+            prompts["preservation"] = pipe.recipe.encode_prompts(encoders, batch)
         if request["sample"]["first"] or request["sample"]["last"]:
             prompts["sample"] = pipe.recipe.encode_prompts(encoders, 1)
             prompts["negative"] = pipe.recipe.encode_prompts(encoders, 1)
@@ -385,10 +391,34 @@ def _training_step(pipe, request: dict, prompts: dict, expert: str, resolution: 
     noise = recipe.inputs.randn(latents.shape)
     t = recipe.inputs.timesteps(latents.shape[0])
     noisy, target = recipe.noisy_and_target(latents, noise, t)
+    prior = _prior_prediction(pipe, request, prompts, expert, noisy, t)
     prediction = recipe.predict(pipe.parts[expert], noisy, t, prompts["train"])
     loss = F.mse_loss(prediction.float(), target.float()) / accumulation
+    if prior is not None:
+        # the preservation prediction, with gradients, held with the first one until the backward
+        kept = recipe.predict(pipe.parts[expert], noisy, t, prompts["preservation"])
+        loss = loss + F.mse_loss(kept, prior) / accumulation
+        del kept, prior
     loss.backward()
     del latents, noise, noisy, target, prediction, loss
+
+
+def _prior_prediction(pipe, request: dict, prompts: dict, expert: str, noisy, t):
+    """train.diff_output_preservation / blank_prompt_preservation (SDTrainer.train_single_accumulation,
+    get_prior_prediction; AI Toolkit commit 27a03a91): before the step's prediction, one without
+    gradients, the network off and the model in eval mode, on the class (or blank) prompt; its output
+    stays for the preservation loss. None without preservation."""
+    if not request.get("preservation"):
+        return None
+    import torch
+
+    denoiser = pipe.parts[expert]
+    denoiser.eval()
+    try:
+        with torch.no_grad(), pipe.lora_off(expert):
+            return pipe.recipe.predict(denoiser, noisy, t, prompts["preservation"]).detach()
+    finally:
+        denoiser.train()
 
 
 def step_timing(schedule: list[tuple[int, int]], timings: list[float]) -> tuple[float, float]:

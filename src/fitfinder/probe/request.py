@@ -52,6 +52,7 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
         "optimizer": jobconfig.optimizer_name(job.get("train.optimizer")),
         "optimizer_params": json.loads(json.dumps(job.get("train.optimizer_params", None) or {})),
         "ema_decay": _ema_decay(job),
+        "preservation": _preservation(job),
         "lr": float(job.get("train.lr")),
         "trained": family.trained_denoisers(job),
         "switch_every": int(job.get("train.switch_boundary_every")),
@@ -134,6 +135,26 @@ def _trained_weights(job, family) -> dict[str, Any]:
             "conv_rank": int(conv) if conv else None,
             "conv_alpha": conv_alpha,
             **({"lokr_factor": int(job.get("network.lokr_factor", -1))} if kind == "lokr" else {})}
+
+
+def _preservation(job) -> bool:
+    """train.diff_output_preservation or blank_prompt_preservation: each training step adds a prior
+    prediction and a preservation prediction (SDTrainer.train_single_accumulation). AI Toolkit refuses
+    both at once (toolkit/config_modules.py validate_configs), either without a network, and the first
+    without a trigger word (SDTrainer.__init__); so does fitfinder, in one line each."""
+    where = f"{job.source}: config.process[0].train"
+    dop, blank = bool(job.get("train.diff_output_preservation", False)), bool(
+        job.get("train.blank_prompt_preservation", False))
+    if dop and blank:
+        raise UserError(f"{where}: AI Toolkit refuses diff_output_preservation and blank_prompt_preservation "
+                        "together; keep one of them")
+    if (dop or blank) and jobconfig.is_full_fine_tune(job):
+        raise UserError(f"{where}: AI Toolkit's output preservation needs a network (a LoRA); add `network`")
+    triggers = [job.get("trigger_word", None), *(dataset.get("trigger_word") for dataset in job.process["datasets"])]
+    if dop and not any(trigger is not None for trigger in triggers):
+        raise UserError(f"{where}.diff_output_preservation: AI Toolkit requires a trigger_word with it; set "
+                        "config.process[0].trigger_word")
+    return dop or blank
 
 
 def _ema_decay(job) -> float | None:
