@@ -413,6 +413,64 @@ def test_output_preservation_is_refused_as_ai_toolkit_refuses_it():
                              1, "sim", None)["preservation"] is True
 
 
+# -- the accuracy-recovery adapter (issue 34, item 4) ----------------------------------------------
+def test_a_recovery_adapters_rank_and_layers_are_read_from_its_file_or_assumed(tmp_path):
+    """quantize_model: the rank is the first lora_A weight's rows, the layers the keys' prefixes."""
+    import torch
+    from safetensors.torch import save_file
+
+    from fitfinder.probe.request import RECOVERY_RANK_ASSUMED, recovery_adapter
+
+    adapter = tmp_path / "ara.safetensors"
+    save_file({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 8),
+               "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(8, 4)}, str(adapter))
+    qwen = models.FAMILIES["qwen_image"]
+    read = recovery_adapter(tiny_job("qwen_image", {"model.quantize": True, "model.qtype": f"uint3|{adapter}"}), qwen)
+    assert read == {"rank": 4, "layers": ["transformer_blocks.0.attn.to_q"], "read": True, "path": str(adapter)}
+    absent = {"model.quantize": True, "model.qtype": "uint3|me/repo/no.safetensors"}
+    assumed = recovery_adapter(tiny_job("qwen_image", absent), qwen)
+    assert assumed["rank"] == RECOVERY_RANK_ASSUMED and not assumed["read"]
+    # FLUX.1's loader (stable_diffusion_model.py) quantizes without quantize_model: no adapter
+    assert recovery_adapter(tiny_job("flux", {"model.quantize": True, "model.qtype": f"uint3|{adapter}"}),
+                            models.FAMILIES["flux"]) is None
+
+
+@pytest.mark.slow
+def test_a_recovery_adapter_is_on_the_device_in_bf16_with_gradients_and_untrained(tmp_path):
+    """quantize_model with an adapter: the LoRA on the device in the model's dtype, requiring gradients
+    (they appear at the first backward and stay: no optimizer holds it), its layers quantized with the
+    qtype and the others left in the model's dtype (uint8, which UIntXQuantizer refuses)."""
+    import torch
+
+    from optimum.quanto.nn import QLinear
+
+    from fitfinder.probe import estimate
+    from fitfinder.probe.overhead import GpuOverhead
+
+    # 8-bit: the tiny arch's layers are no whole number of uint3's groups of 64
+    changes = {"model.quantize": True, "model.qtype": "qfloat8|me/repo/absent.safetensors", "train.dtype": "bf16"}
+    pipe, meter = _loaded("qwen_image", changes)
+    recovery = pipe.recovery_parameters(["transformer"])
+    trained = pipe.trainable_parameters(["transformer"])
+    assert recovery and {p.dtype for p in recovery} == {torch.bfloat16} and all(p.requires_grad for p in recovery)
+    assert {p.dtype for p in trained} == {torch.float32} and not {id(p) for p in recovery} & {id(p) for p in trained}
+    assert all(p.untyped_storage()._cdata in meter.tracker.live for p in recovery)
+    layers = dict(pipe.parts["transformer"].named_modules())
+    assert isinstance(layers["transformer_blocks.0.attn.to_q.base_layer"], QLinear)
+    assert type(layers["proj_out"]) is torch.nn.Linear  # outside the adapter: never quantized
+    # the probe and the estimate in fp32 (in bf16 quanto's qfloat8 leaves the tiny Qwen-Image 32 bytes
+    # apart in five phases, adapter or not, as it did before the adapter)
+    changes = {**changes, "train.dtype": "fp32"}
+    runner = probe.ProbeRunner(timeout_s=300)
+    request = probe.request_for(tiny_job("qwen_image", changes), 3, "sim", None)
+    plain = runner.run(probe.request_for(tiny_job("qwen_image", {**changes, "model.qtype": "qfloat8"}), 3, "sim", None))
+    sim, fake = runner.run(request), runner.run(estimate.as_estimate(request, GpuOverhead.none()))
+    assert plain["status"] == sim["status"] == fake["status"] == "ok", (sim.get("error"), fake.get("error"))
+    assert all(sim["phases"][phase] > plain["phases"][phase] for phase in plain["phases"])
+    measured = {phase: stats["peak_allocated"] for phase, stats in sim["phase_stats"].items()}
+    assert {phase: stats["peak_live"] for phase, stats in fake["phase_stats"].items()} == measured
+
+
 # -- item 2: quanto's qint4 in quanto's own layout, on fake tensors too -----------------------------
 def _qint4_block_peaks(meter):
     """Each phase's peak for three qint4 layers (bf16, whole groups of 128: TinyGemm's layout) quantized,

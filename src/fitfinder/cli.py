@@ -235,6 +235,7 @@ def _print_estimate(out, job, found) -> None:
     from fitfinder.units import format_bytes
 
     out.line(f"estimate of {job.source} ({found.arch_name}), {found.overhead.describe()}")
+    _note_assumptions(out, job)
     budget = found.budget_bytes
     rows = [[name, format_bytes(stats["peak_live"]), format_bytes(stats["peak_allocated"]),
              format_bytes(found.phases[name]), f"{found.phases[name] / budget:.0%}" if budget else ""]
@@ -254,6 +255,17 @@ def _print_estimate(out, job, found) -> None:
         phase = found.first_phase_over(found.budget_bytes)
         out.line(f"does not fit: peak {format_bytes(found.peak_bytes)} of {format_bytes(found.budget_bytes)}, "
                  f"{format_bytes(found.peak_bytes - found.budget_bytes)} over; it would run out in {phase}")
+
+
+def _note_assumptions(out, job) -> None:
+    """What the estimate assumes where the job's files are not on this machine."""
+    from fitfinder import models
+    from fitfinder.probe.request import recovery_adapter
+
+    adapter = recovery_adapter(job, models.family_for(job))
+    if adapter is not None and not adapter["read"]:
+        out.note(f"the accuracy-recovery adapter {adapter['path']} is not on this machine: its rank is assumed "
+                 f"to be {adapter['rank']}, on the LoRA's layers (AI Toolkit reads both from the file)")
 
 
 def _estimate_search(job, runner, model, out) -> None:

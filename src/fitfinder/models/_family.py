@@ -172,6 +172,10 @@ class Family:
     # text encoder, with layer_offloading_text_encoder_percent. The loaders of FLUX.1, SDXL, SD3,
     # Chroma, Lumina2 and HiDream I1 (toolkit/stable_diffusion_model.py and theirs) never read it.
     layer_offloading: bool = False
+    # The loader quantizes the denoiser(s) through toolkit/util/quantize.py quantize_model, which reads
+    # the accuracy-recovery adapter of `qtype: QTYPE|PATH` (FLUX.1's, SDXL's, SD3's loaders quantize
+    # otherwise and drop it).
+    recovery_adapter: bool = False
     # Parts beyond the text encoders that the loader offloads with the text encoder's percent
     # (Anima's text conditioner: AnimaModel.load_model attaches it with layer_offloading_text_encoder_percent).
     offloaded_with_text_encoders: tuple[str, ...] = ()

@@ -102,7 +102,14 @@ class Pipeline:
             self.offload_rings.clear()
 
     def trainable_parameters(self, names) -> list[torch.nn.Parameter]:
-        return [p for name in names for p in self.parts[name].parameters() if p.requires_grad]
+        """What the optimizer trains: the parts' parameters that need gradients, but an accuracy-
+        recovery adapter's (quantize_model's network is no part of the trained one)."""
+        return [p for name in names for key, p in self.parts[name].named_parameters()
+                if p.requires_grad and f".{RECOVERY}." not in key]
+
+    def recovery_parameters(self, names) -> list[torch.nn.Parameter]:
+        """An accuracy-recovery adapter's parameters (`_recovered`): gradients, never trained."""
+        return [p for name in names for key, p in self.parts[name].named_parameters() if f".{RECOVERY}." in key]
 
 
 def load(spec: dict, settings: dict, meter) -> Pipeline:
@@ -127,15 +134,15 @@ def load(spec: dict, settings: dict, meter) -> Pipeline:
             for path in family.dropped.get(part, ()):  # gone before anything counts it
                 owner, _, name = path.rpartition(".")
                 setattr(module.get_submodule(owner), name, None)
-            if qtype and loading.built_on_host:
-                quantize(module, qtype, meter.repeated)
             pipe.parts[part] = module
+            if qtype and loading.built_on_host:
+                _quantize(pipe, part, qtype, settings)
             if offloaded_first:  # its offloaded layers never reach the device (Placement.offloaded_on_host)
                 _offload_in_host_memory(pipe, part, share, None if loading.built_on_host else qtype)
         if loading.comes_on:
             pipe.place(pipe.on_device | {part})  # whole, to be quantized here, or quantized already
             if qtype and not loading.built_on_host:
-                quantize(pipe.parts[part], qtype, meter.repeated)  # offloaded layers are quantized already
+                _quantize(pipe, part, qtype, settings)  # offloaded layers are quantized already
         if not offloaded_first:
             _offload_layers(pipe, part, share)  # after quantizing, before the LoRA, wherever the part is
         if loading.leaves:
@@ -150,6 +157,61 @@ def load(spec: dict, settings: dict, meter) -> Pipeline:
                 make_trainable(pipe, name, settings)
             pipe.keep_lora_on_device(name)  # network.force_to: the LoRA of a part left in host memory too
     return pipe
+
+
+def _quantize(pipe: Pipeline, part: str, qtype: str, settings: dict) -> None:
+    """The part quantized where it is: every Linear layer, or, for a denoiser with the job's
+    accuracy-recovery adapter, the adapter first and then the layers it covers (`_recovered`)."""
+    adapter = settings.get("recovery_adapter") if part in pipe.family.denoisers else None
+    if adapter is None:
+        quantize(pipe.parts[part], qtype, pipe.meter.repeated)
+    else:
+        _recovered(pipe, part, qtype, adapter)
+
+
+# peft's name of the accuracy-recovery adapter, beside the trained LoRA's "default".
+RECOVERY = "recovery"
+
+
+def _wrapped_by_recovery(names: list[str]) -> list[str]:
+    """Layer names with peft's wrapping of an accuracy-recovery adapter undone: a covered layer is
+    `NAME.base_layer` inside peft's wrapper `NAME`, beside the adapter's own `NAME.lora_A.recovery`...;
+    the trained LoRA takes `NAME`, the original layer, as AI Toolkit's network does (its adapter
+    modules live outside the model)."""
+    unwrapped = []
+    for name in names:
+        if any(part.startswith("lora_") for part in name.split(".")):
+            continue
+        unwrapped.append(name.removesuffix(".base_layer"))
+    return unwrapped
+
+
+def _recovered(pipe: Pipeline, part: str, qtype: str, adapter: dict) -> None:
+    """toolkit/util/quantize.py quantize_model with an accuracy-recovery adapter (AI Toolkit 27a03a91):
+    a LoRA of the file's rank (alpha the rank) on the file's layers, moved to the device in the model's
+    dtype (`network.force_to(device, dtype=torch_dtype)`), its parameters left requiring gradients (no
+    requires_grad_(False) anywhere: each backward gives them gradients, which no optimizer clears);
+    then each covered layer quantized with the qtype, and every other layer with `uint8`, which AI
+    Toolkit's UIntXQuantizer.can_quantize refuses: those stay in the model's dtype. Without the file
+    (request.recovery_adapter), the adapter covers the LoRA's own layers."""
+    from peft import LoraConfig
+
+    denoiser = pipe.parts[part]
+    linear = set(lora_targets(denoiser, r".*")[0])
+    covered = sorted(linear & set(adapter["layers"] or ())) or lora_targets(denoiser, pipe.family.lora_blocks)[0]
+    config = LoraConfig(r=adapter["rank"], lora_alpha=adapter["rank"], target_modules=covered,
+                        init_lora_weights="gaussian")
+    with pipe.meter.host():
+        if getattr(pipe.meter, "fake", False):
+            _fake.add_adapter(denoiser, config, adapter_name=RECOVERY)
+        else:
+            denoiser.add_adapter(config, adapter_name=RECOVERY)
+        for name, param in denoiser.named_parameters():
+            if f".{RECOVERY}." in name:
+                param.data = param.data.to(pipe.dtype)
+                param.requires_grad_(True)
+    pipe.keep_lora_on_device(part)
+    quantize(denoiser, qtype, pipe.meter.repeated, only={f"{name}.base_layer" for name in covered})
 
 
 def _offload_share(family, part: str, settings: dict) -> float:
@@ -238,7 +300,8 @@ def _add_lora(pipe: Pipeline, name: str, settings: dict) -> None:
     if kind == "locon":
         targets, conv_targets = _locon_targets(denoiser, conv_rank)
     else:
-        targets, conv_targets = lora_targets(denoiser, pipe.family.lora_blocks, pipe.family.lora_convs, conv_rank)
+        targets, conv_targets = (_wrapped_by_recovery(names) for names in lora_targets(
+            denoiser, pipe.family.lora_blocks, pipe.family.lora_convs, conv_rank))
         # network.network_kwargs.ignore_if_contains: AI Toolkit skips every layer whose name holds one
         # (toolkit/lora_special.py, LoRASpecialNetwork.create_modules; HiDream's example leaves the MoE out).
         ignored = settings.get("lora_ignore") or []
@@ -258,13 +321,14 @@ def _add_lora(pipe: Pipeline, name: str, settings: dict) -> None:
             _fake.add_adapter(denoiser, config)
         else:
             denoiser.add_adapter(config)
+        if pipe.recovery_parameters([name]):  # both networks act (add_adapter made the new one alone active)
+            denoiser.set_adapter([RECOVERY, "default"])
     if name in pipe.on_device:
         # Counts the adapters; on a card it moves them there too: peft puts them next to the base
         # weight, which an offloaded layer keeps in host memory.
         pipe.parts[name] = pipe.meter.to_device(denoiser)
-    for param in denoiser.parameters():
-        if param.requires_grad:
-            param.data = param.data.to(torch.float32)
+    for param in pipe.trainable_parameters([name]):
+        param.data = param.data.to(torch.float32)
     if settings["gradient_checkpointing"]:
         denoiser.enable_gradient_checkpointing()
 

@@ -52,6 +52,7 @@ FAMILY = _AnimaFamily(
     quantized_text_encoders=("text_encoder",),
     te_qtype_key="qtype_te",
     layer_offloading=True,
+    recovery_adapter=True,  # quantize_model (toolkit/util/quantize.py) reads qtype's adapter
     text_seq_len=512,  # AnimaModel.max_sequence_length (model_kwargs.max_sequence_length, 512)
     tokenizer="tokenizer",
     others=("text_conditioner",),

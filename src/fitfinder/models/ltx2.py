@@ -37,6 +37,7 @@ FAMILY = Family(
     frame_step=8,  # generate_single_image: "frames must be divisible by 8 then + 1"
     quantized_text_encoders=("text_encoder",),
     layer_offloading=True,
+    recovery_adapter=True,  # quantize_model (toolkit/util/quantize.py) reads qtype's adapter
     te_qtype_key="qtype_te",  # load_model: quantize(text_encoder, weights=get_qtype(model_config.qtype_te))
     text_seq_len=1024,  # get_prompt_embeds' max_length, and pad_embeds' target: the connectors see 1024 tokens
     tokenizer="tokenizer",

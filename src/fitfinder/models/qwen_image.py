@@ -34,6 +34,7 @@ FAMILY = Family(
     name_hints=("qwenimage",),
     quantized_text_encoders=("text_encoder",),
     layer_offloading=True,
+    recovery_adapter=True,  # quantize_model (toolkit/util/quantize.py) reads qtype's adapter
     te_qtype_key="qtype_te",
     text_seq_len=512,  # QwenImagePipeline.__call__'s max_sequence_length
     tokenizer="tokenizer",

@@ -23,6 +23,7 @@ FAMILY = Family(
     frame_step=4,
     quantized_text_encoders=("text_encoder",),
     layer_offloading=True,
+    recovery_adapter=True,  # quantize_model (toolkit/util/quantize.py) reads qtype's adapter
     text_seq_len=512,
     tokenizer="tokenizer",
     index_defaults={"boundary_ratio": 0.875},  # Wan 2.2 A14B's published value

@@ -33,6 +33,7 @@ FAMILY = Family(
     frame_step=4,
     quantized_text_encoders=("text_encoder",),
     layer_offloading=True,
+    recovery_adapter=True,  # quantize_model (toolkit/util/quantize.py) reads qtype's adapter
     text_seq_len=512,
     tokenizer="tokenizer",
     placement=wan21.FAMILY.placement,  # Wan225bModel.load_model is Wan21.load_model

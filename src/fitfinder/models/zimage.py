@@ -28,6 +28,7 @@ FAMILY = Family(
     name_hints=("zimage",),
     quantized_text_encoders=("text_encoder",),
     layer_offloading=True,
+    recovery_adapter=True,  # quantize_model (toolkit/util/quantize.py) reads qtype's adapter
     te_qtype_key="qtype_te",
     text_seq_len=512,  # ZImagePipeline.encode_prompt's max_sequence_length
     tokenizer="tokenizer",

@@ -43,6 +43,7 @@ class ProbeRequest(TypedDict):
     dtype: str
     quantize: Optional[int]  # bits of the base model's weights, None: not quantized
     quant_type: str  # AI Toolkit's qtype name (see models._weights.quantize)
+    recovery_adapter: NotRequired[Optional[dict[str, Any]]]  # qtype's accuracy-recovery adapter: rank, layers, read
     quantize_te: Optional[int]
     quant_type_te: str
     low_vram: bool

@@ -464,14 +464,19 @@ def _prime_optimizer(pipe, request: dict, optimizer, keep_gradients: bool) -> No
     if keep_gradients:
         for param in _reached_by_the_loss(pipe, trained[0]):
             param.grad = torch.zeros_like(param)
+    # An accuracy-recovery adapter's gradients live from a run's first backward on (no optimizer clears them).
+    for name in trained:
+        for param in _reached_by_the_loss(pipe, name, pipe.recovery_parameters([name])):
+            param.grad = torch.zeros_like(param)
     pipe.meter.register(optimizer)
 
 
-def _reached_by_the_loss(pipe, name: str) -> list:
-    """The trainable parameters a training step gives a gradient: all but those the recipe names in
-    `without_gradient(denoiser)` (Qwen-Image's last block's text stream, whose output nothing reads);
-    an optimizer makes no state for a parameter without a gradient, so priming must not either."""
-    params = pipe.trainable_parameters([name])
+def _reached_by_the_loss(pipe, name: str, params: list | None = None) -> list:
+    """The trainable parameters (or `params`) a training step gives a gradient: all but those the
+    recipe names in `without_gradient(denoiser)` (Qwen-Image's last block's text stream, whose output
+    nothing reads); an optimizer makes no state for a parameter without a gradient, so priming must not
+    either."""
+    params = pipe.trainable_parameters([name]) if params is None else params
     unreached = getattr(pipe.recipe, "without_gradient", None)
     if unreached is None:
         return params

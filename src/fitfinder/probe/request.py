@@ -38,6 +38,7 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
         "model": spec,
         "dtype": jobconfig.DTYPES[str(job.get("train.dtype")).lower()],
         "quantize": bits, "quant_type": qtype,
+        "recovery_adapter": recovery_adapter(job, family),
         "quantize_te": bits_te, "quant_type_te": qtype_te,
         "low_vram": bool(job.get("model.low_vram")),
         "tiled_preview_decode": family.tiles_preview_decode(job),
@@ -85,6 +86,57 @@ def recipe_digest() -> str:
     for path in files:
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
+
+
+# The rank fitfinder assumes for an accuracy-recovery adapter whose file is not on this machine (the
+# adapters' own README calls 16 the sweet spot for Qwen-Image at 3 bits; AI Toolkit reads it from the file).
+RECOVERY_RANK_ASSUMED = 16
+
+
+def recovery_adapter(job, family) -> dict | None:
+    """The accuracy-recovery adapter of `model.qtype: QTYPE|PATH` (or model.accuracy_recovery_adapter),
+    as toolkit/util/quantize.py `quantize_model` loads it (AI Toolkit commit 27a03a91): None without one,
+    or for a family whose loader quantizes otherwise (Family.recovery_adapter).
+
+    quantize_model builds a LoRA from the file: its rank is the first `lora_A` weight's rows, alpha the
+    rank, its layers the keys' prefixes (`key.split(".lora_")[0]`). The file is read here when it is on
+    this machine (a local path, or the Hugging Face cache; its safetensors header only, no weights);
+    otherwise the rank is RECOVERY_RANK_ASSUMED on the LoRA's own layers, and "read" says so."""
+    path = str(job.get("model.qtype", "")).partition("|")[2].strip() or job.get("model.accuracy_recovery_adapter", None)
+    if not (path and job.quantize and family.recovery_adapter):
+        return None
+    header = _safetensors_header(path)
+    rank = next((int(entry["shape"][0]) for key, entry in (header or {}).items() if "lora_A" in key), None)
+    if rank is None:
+        return {"rank": RECOVERY_RANK_ASSUMED, "layers": None, "read": False, "path": path}
+    layers = sorted({re.sub(r"^(transformer|diffusion_model|unet)\.", "", key.split(".lora_")[0])
+                     for key in header if ".lora_" in key})
+    return {"rank": rank, "layers": layers, "read": True, "path": path}
+
+
+def _safetensors_header(path: str) -> dict | None:
+    """The tensor table of a safetensors file (8 bytes of header length, then JSON), found as AI Toolkit
+    finds it (a local file, or 'user/repo/file.safetensors' on the hub, here from the local cache only);
+    None when it is not on this machine or not readable."""
+    local = Path(path)
+    if not local.is_file():
+        parts = path.split("/")
+        if len(parts) != 3:
+            return None
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(f"{parts[0]}/{parts[1]}", parts[2])
+        if not isinstance(cached, str):
+            return None
+        local = Path(cached)
+    try:
+        with open(local, "rb") as file:
+            size = int.from_bytes(file.read(8), "little")
+            table = json.loads(file.read(size))
+    except (OSError, ValueError):
+        return None
+    table.pop("__metadata__", None)
+    return table
 
 
 def layer_offloading(job, family) -> dict[str, float]:
