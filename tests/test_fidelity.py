@@ -471,6 +471,24 @@ def test_a_recovery_adapter_is_on_the_device_in_bf16_with_gradients_and_untraine
     assert {phase: stats["peak_live"] for phase, stats in fake["phase_stats"].items()} == measured
 
 
+# -- layers AI Toolkit keeps unquantized (issue 34, item 5) ---------------------------------------
+@pytest.mark.parametrize(("family", "kept", "quantized"), [
+    ("wan22_5b", ["condition_embedder.text_embedder.linear_1", "proj_out"], "blocks.0.attn1.to_q"),
+    ("zimage", ["t_embedder.mlp.0", "cap_embedder.1", "all_x_embedder.2-1", "all_final_layer.2-1.linear"],
+     "layers.0.attention.to_q"),
+])
+def test_the_layers_a_loader_keeps_in_full_precision_stay_unquantized(family, kept, quantized):
+    """get_quantization_exclude_modules (Wan225bModel, Wan2214bModel; toolkit/models/v2/z_image.py),
+    passed by quantize_model and OstrisModelMixin.quantize_ to `quantize` as its exclude patterns."""
+    import torch
+
+    pipe, _ = _loaded(family, {"model.quantize": True})
+    layers = dict(pipe.parts["transformer"].named_modules())
+    assert type(layers[f"{quantized}.base_layer"]).__name__ == "QLinear"
+    for name in kept:
+        assert type(layers.get(f"{name}.base_layer", layers[name])) is torch.nn.Linear, name
+
+
 # -- item 2: quanto's qint4 in quanto's own layout, on fake tensors too -----------------------------
 def _qint4_block_peaks(meter):
     """Each phase's peak for three qint4 layers (bf16, whole groups of 128: TinyGemm's layout) quantized,

@@ -172,6 +172,10 @@ class Family:
     # text encoder, with layer_offloading_text_encoder_percent. The loaders of FLUX.1, SDXL, SD3,
     # Chroma, Lumina2 and HiDream I1 (toolkit/stable_diffusion_model.py and theirs) never read it.
     layer_offloading: bool = False
+    # fnmatch patterns of the denoisers' layers the loader keeps in full precision when it quantizes them
+    # (the model's get_quantization_exclude_modules, which quantize_model and OstrisModelMixin.quantize_
+    # pass to `quantize` as `exclude`; names relative to each denoiser).
+    unquantized_layers: tuple[str, ...] = ()
     # The loader quantizes the denoiser(s) through toolkit/util/quantize.py quantize_model, which reads
     # the accuracy-recovery adapter of `qtype: QTYPE|PATH` (FLUX.1's, SDXL's, SD3's loaders quantize
     # otherwise and drop it).

@@ -160,11 +160,14 @@ def load(spec: dict, settings: dict, meter) -> Pipeline:
 
 
 def _quantize(pipe: Pipeline, part: str, qtype: str, settings: dict) -> None:
-    """The part quantized where it is: every Linear layer, or, for a denoiser with the job's
-    accuracy-recovery adapter, the adapter first and then the layers it covers (`_recovered`)."""
-    adapter = settings.get("recovery_adapter") if part in pipe.family.denoisers else None
+    """The part quantized where it is: every Linear layer but those a denoiser's loader keeps in full
+    precision (Family.unquantized_layers), or, for a denoiser with the job's accuracy-recovery
+    adapter, the adapter first and then the layers it covers (`_recovered`)."""
+    denoiser = part in pipe.family.denoisers
+    adapter = settings.get("recovery_adapter") if denoiser else None
     if adapter is None:
-        quantize(pipe.parts[part], qtype, pipe.meter.repeated)
+        kept = pipe.family.unquantized_layers if denoiser else ()  # get_quantization_exclude_modules
+        quantize(pipe.parts[part], qtype, pipe.meter.repeated, exclude=kept)
     else:
         _recovered(pipe, part, qtype, adapter)
 

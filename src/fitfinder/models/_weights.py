@@ -9,6 +9,7 @@ modules a class keeps in fp32) and shapes, so the same memory.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import importlib
 import json
@@ -159,7 +160,7 @@ GROUPED_TYPES = {**{f"uint{bits}": (bits, 64, "zero_point") for bits in range(2,
                  "int4": (4, 128, "shift"), "nf4": (4, 64, "zero_point"), "fp4": (4, 64, "zero_point")}
 
 
-def quantize(module: torch.nn.Module, qtype: str, repeated=None, only=None) -> int:
+def quantize(module: torch.nn.Module, qtype: str, repeated=None, only=None, exclude=()) -> int:
     """Every nn.Linear quantized as AI Toolkit quantizes it, in place, where its weight lives.
 
     AI Toolkit's `quantize` swaps each Linear for its quantized module and `freeze` then replaces
@@ -168,8 +169,9 @@ def quantize(module: torch.nn.Module, qtype: str, repeated=None, only=None) -> i
     fp32-kept modules stay as they are (Wan casts its timestep to the dtype of its time embedder).
     `repeated` is the meter's (see meter.EstimateMeter.repeated): on fake tensors, a layer of a
     shape already quantized is made by copying that layer's layout instead of running the ops.
-    `only`: the layer names to quantize, of those it would (None: all). Returns the number of
-    layers quantized.
+    `only`: the layer names to quantize, of those it would (None: all); `exclude`: fnmatch patterns
+    of layer names it leaves in full precision, as AI Toolkit's `quantize` matches its `exclude`.
+    Returns the number of layers quantized.
     """
     base = qtype.split("|")[0].strip().lower()
     kept = (getattr(module, "_keep_in_fp32_modules", None) or []) if _is_diffusers(type(module)) else []
@@ -178,7 +180,8 @@ def quantize(module: torch.nn.Module, qtype: str, repeated=None, only=None) -> i
     group = GROUPED_TYPES[base][1] if base in GROUPED_TYPES else 1
     names = [name for name, child in module.named_modules()
              if type(child) is torch.nn.Linear and not any(k in name.split(".") for k in kept)
-             and child.in_features % group == 0 and (only is None or name in only)]
+             and child.in_features % group == 0 and (only is None or name in only)
+             and not any(fnmatch.fnmatch(name, pattern) for pattern in exclude)]
     for name in names:
         parent_name, _, child_name = name.rpartition(".")
         parent = module.get_submodule(parent_name)

@@ -28,6 +28,7 @@ FAMILY = Family(
     video=True,
     frame_step=4,  # the Wan 2.1 VAE: clips of 4k+1 frames
     quantized_text_encoders=("text_encoder",),
+    unquantized_layers=wan22.UNQUANTIZED,  # Wan2214bI2VModel (a Wan2214bModel).get_quantization_exclude_modules
     layer_offloading=True,
     recovery_adapter=True,  # quantize_model (toolkit/util/quantize.py) reads qtype's adapter
     text_seq_len=512,

@@ -27,6 +27,10 @@ FAMILY = Family(
     arch_values=("zimage",),
     name_hints=("zimage",),
     quantized_text_encoders=("text_encoder",),
+    # toolkit/models/v2/z_image.py ZImageTransformer2DModel.get_quantization_exclude_modules: "sensitive
+    # modules kept in full precision" (the timestep, caption and latent embedders, the final layers),
+    # excluded from OstrisModelMixin.quantize_'s pass over what the "layers" blocks leave
+    unquantized_layers=("t_embedder*", "cap_embedder*", "all_x_embedder*", "all_final_layer*", "siglip_embedder*"),
     layer_offloading=True,
     recovery_adapter=True,  # quantize_model (toolkit/util/quantize.py) reads qtype's adapter
     te_qtype_key="qtype_te",
