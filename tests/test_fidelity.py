@@ -489,6 +489,59 @@ def test_the_layers_a_loader_keeps_in_full_precision_stay_unquantized(family, ke
         assert type(layers.get(f"{name}.base_layer", layers[name])) is torch.nn.Linear, name
 
 
+# -- torchao's float8 and int8 (issue 34, item 6) -------------------------------------------------
+def test_torchao_8_bit_layers_keep_their_weight_in_the_models_dtype_for_the_backward():
+    """torchao 0.10 (AI Toolkit's pin): float8 runs F.linear(x, w.dequantize()), int8 mm(x, w.t().to(x.dtype)):
+    autograd keeps that weight; quanto's linear function keeps the 8-bit one, which is resident anyway."""
+    import torch
+
+    from fitfinder.models._weights import quantize
+    from fitfinder.probe.meter import StorageTracker
+
+    x = torch.randn(4, 64, 256, dtype=torch.bfloat16, requires_grad=True)
+    held = {}
+    for qtype in ("qfloat8", "float8", "qint8", "int8"):
+        torch.manual_seed(0)
+        layer = torch.nn.Sequential(torch.nn.Linear(256, 1024, dtype=torch.bfloat16)).requires_grad_(False)
+        quantize(layer, qtype)
+        tracker = StorageTracker()
+        with tracker:
+            y = layer(x)
+            held[qtype] = tracker.live_bytes - y.untyped_storage().nbytes()
+    weight = 256 * 1024 * 2
+    assert held["float8"] - held["qfloat8"] == weight
+    assert held["int8"] - held["qint8"] >= weight
+
+
+def test_qfloat8_is_torchaos_float8_under_layer_offloading_and_with_z_images_training_adapter():
+    """toolkit/config_modules.py ModelConfig (layer_offloading, any family, both qtypes, a qtype of
+    exactly 'qfloat8'); z_image.py load_model (assistant_lora_path, model.qtype only)."""
+    from fitfinder.probe.request import quant_types
+
+    flux, zimage = models.FAMILIES["flux"], models.FAMILIES["zimage"]
+    assert quant_types(tiny_job("flux"), flux) == ("qfloat8", "qfloat8")
+    assert quant_types(tiny_job("flux", {"model.layer_offloading": True}), flux) == ("float8", "float8")
+    assert quant_types(tiny_job("flux", {"model.layer_offloading": True, "model.qtype": "qfloat8|a/b/c"}),
+                       flux) == ("qfloat8", "qfloat8")
+    assert quant_types(tiny_job("zimage", {"model.assistant_lora_path": "a/b/c.safetensors"}), zimage) == (
+        "float8", "qfloat8")
+    assert quant_types(tiny_job("zimage", {"model.layer_offloading": True}), zimage) == ("float8", "float8")
+
+
+@pytest.mark.slow
+def test_a_torchao_float8_job_estimates_to_the_sim_meters_bytes():
+    from fitfinder.probe import estimate
+    from fitfinder.probe.overhead import GpuOverhead
+
+    changes = {"model.quantize": True, "model.qtype": "float8", "train.dtype": "bf16"}
+    runner = probe.ProbeRunner(timeout_s=300)
+    request = probe.request_for(tiny_job("flux", changes), 3, "sim", None)
+    sim, fake = runner.run(request), runner.run(estimate.as_estimate(request, GpuOverhead.none()))
+    assert sim["status"] == fake["status"] == "ok", (sim.get("error"), fake.get("error"))
+    measured = {phase: stats["peak_allocated"] for phase, stats in sim["phase_stats"].items()}
+    assert {phase: stats["peak_live"] for phase, stats in fake["phase_stats"].items()} == measured
+
+
 # -- item 2: quanto's qint4 in quanto's own layout, on fake tensors too -----------------------------
 def _qint4_block_peaks(meter):
     """Each phase's peak for three qint4 layers (bf16, whole groups of 128: TinyGemm's layout) quantized,

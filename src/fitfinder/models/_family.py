@@ -172,6 +172,9 @@ class Family:
     # text encoder, with layer_offloading_text_encoder_percent. The loaders of FLUX.1, SDXL, SD3,
     # Chroma, Lumina2 and HiDream I1 (toolkit/stable_diffusion_model.py and theirs) never read it.
     layer_offloading: bool = False
+    # A `model.` key that makes the loader turn model.qtype `qfloat8` into torchao's `float8` when set
+    # (Z-Image's assistant_lora_path, the training adapter: ZImageModel.load_model).
+    float8_with: str | None = None
     # fnmatch patterns of the denoisers' layers the loader keeps in full precision when it quantizes them
     # (the model's get_quantization_exclude_modules, which quantize_model and OstrisModelMixin.quantize_
     # pass to `quantize` as `exclude`; names relative to each denoiser).

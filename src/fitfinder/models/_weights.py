@@ -148,7 +148,8 @@ def keep_in_fp32(module: torch.nn.Module, dtype: torch.dtype) -> None:
 # -- quantization ---------------------------------------------------------------------------------
 # AI Toolkit's qtype names (toolkit/util/quantize.py, get_qtype; AI Toolkit commit 27a03a91) -> how
 # the probe quantizes: optimum-quanto for its q* types; torchao's float8/int8 weight-only types hold
-# the same bytes (one per weight and a scale per row) and run here as quanto's; AI Toolkit's own
+# the same bytes (one per weight and a scale per row) as quanto's and run torchao's forward
+# (models/_torchao.py TorchaoLinear); AI Toolkit's own
 # grouped uint2..uint7 (toolkit/util/uintx_quant.py) as `GroupedLinear`. quanto's qint4 is quanto's
 # own, in the layout quanto picks (TinyGemm for bf16 layers of whole groups of 128 on CPUs and recent
 # GPUs; `_give_quanto_a_fake_path` lets the estimate follow it). torchao's int4 runs as a grouped layer
@@ -203,7 +204,15 @@ def quantize(module: torch.nn.Module, qtype: str, repeated=None, only=None, excl
     return len(names)
 
 
+# AI Toolkit's torchao names (toolkit/util/quantize.py torchao_qtypes): quanto's bytes, torchao's forward.
+TORCHAO_TYPES = {"float8": "qfloat8", "int8": "qint8"}
+
+
 def _quantized(linear: torch.nn.Linear, base: str) -> torch.nn.Module:
+    if base in TORCHAO_TYPES:
+        from fitfinder.models._torchao import TorchaoLinear  # quanto's import, only where it quantizes
+
+        return _quanto_linear(linear, TORCHAO_TYPES[base], TorchaoLinear)
     if base in QUANTO_TYPES:
         return _quanto_linear(linear, QUANTO_TYPES[base])
     return GroupedLinear.from_linear(linear, *GROUPED_TYPES[base])
@@ -272,8 +281,8 @@ def _empty_like(template, device) -> torch.Tensor:
     return torch.empty_strided(template.shape, template.stride(), dtype=template.dtype, device=device)
 
 
-def _quanto_linear(linear: torch.nn.Linear, qtype_name: str) -> torch.nn.Module:
-    """quanto's QLinear around the layer's weight, frozen (its weight quantized).
+def _quanto_linear(linear: torch.nn.Linear, qtype_name: str, cls: type | None = None) -> torch.nn.Module:
+    """quanto's QLinear (or `cls`, a subclass) around the layer's weight, frozen (its weight quantized).
 
     quanto's `QLinear.from_module` moves the new module with `Module.to`, which fake tensors (the
     estimate's) refuse; the module is made on meta here instead and given the layer's tensors, which
@@ -287,7 +296,7 @@ def _quanto_linear(linear: torch.nn.Linear, qtype_name: str) -> torch.nn.Module:
     _give_quanto_a_fake_path()
     weight = linear.weight
     with _fake.plain_meta():
-        layer = QLinear.qcreate(linear, getattr(quanto, qtype_name), device="meta")
+        layer = (cls or QLinear).qcreate(linear, getattr(quanto, qtype_name), device="meta")
     layer.input_scale = torch.ones((), dtype=weight.dtype, device=weight.device)
     layer.output_scale = torch.ones((), dtype=weight.dtype, device=weight.device)
     layer.weight, layer.bias = weight, linear.bias

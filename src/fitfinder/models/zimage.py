@@ -30,6 +30,8 @@ FAMILY = Family(
     # toolkit/models/v2/z_image.py ZImageTransformer2DModel.get_quantization_exclude_modules: "sensitive
     # modules kept in full precision" (the timestep, caption and latent embedders, the final layers),
     # excluded from OstrisModelMixin.quantize_'s pass over what the "layers" blocks leave
+    # ZImageModel.load_model: with a training adapter (merged into the weights), qfloat8 is torchao's float8
+    float8_with="model.assistant_lora_path",
     unquantized_layers=("t_embedder*", "cap_embedder*", "all_x_embedder*", "all_final_layer*", "siglip_embedder*"),
     layer_offloading=True,
     recovery_adapter=True,  # quantize_model (toolkit/util/quantize.py) reads qtype's adapter

@@ -28,11 +28,8 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
     `fault`: a test hook's injected failure, see probe.faults). The one place a request is built."""
     spec = spec or models.model_spec(job)
     family = models.FAMILIES[spec["family"]]
-    qtype = job.qtype
+    qtype, qtype_te = quant_types(job, family)
     bits = jobconfig.qtype_bits(qtype)[0] if job.quantize else None  # a blank qtype is unused (jobconfig)
-    # Which key gives the text encoders' qtype is the family's (models.Family.te_qtype_key): Flux
-    # and Wan quantize T5/UMT5 with model.qtype, Qwen-Image and Z-Image read qtype_te.
-    qtype_te = job.qtype_te if family.te_qtype_key == "qtype_te" else qtype
     bits_te = jobconfig.qtype_bits(qtype_te)[0] if job.quantize_te else None
     return {
         "model": spec,
@@ -68,6 +65,24 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
         "seed": 0,
         **({"fault": fault} if fault else {}),
     }
+
+
+def quant_types(job, family) -> tuple[str, str]:
+    """The base model's and the text encoders' qtype names as AI Toolkit's loaders quantize with them.
+
+    Which key gives the text encoders' is the family's (models.Family.te_qtype_key): Flux and Wan
+    quantize T5/UMT5 with model.qtype, Qwen-Image and Z-Image read qtype_te. ModelConfig turns a qtype
+    of exactly `qfloat8` into torchao's `float8` under model.layer_offloading, whatever the family
+    (toolkit/config_modules.py, before it splits an adapter off at '|'), and Z-Image's loader turns
+    model.qtype's with a training adapter (Family.float8_with; AI Toolkit commit 27a03a91)."""
+    offloading = job.get("model.layer_offloading", None)
+    offloading = bool(job.get("model.auto_memory", False) if offloading is None else offloading)
+
+    with_adapter = bool(family.float8_with and job.get(family.float8_with, None))
+    qtype = "float8" if (offloading or with_adapter) and str(job.get("model.qtype")) == "qfloat8" else job.qtype
+    if family.te_qtype_key != "qtype_te":
+        return qtype, qtype
+    return qtype, "float8" if offloading and str(job.get("model.qtype_te")) == "qfloat8" else job.qtype_te
 
 
 # How a probe is run, not what it trains: the same job on another card, meter or machine puts the
