@@ -542,6 +542,70 @@ def test_a_torchao_float8_job_estimates_to_the_sim_meters_bytes():
     assert {phase: stats["peak_live"] for phase, stats in fake["phase_stats"].items()} == measured
 
 
+# -- the smaller divergences (issue 34, item 7) ------------------------------------------------------
+def test_qwen_image_captions_are_encoded_up_to_1024_tokens():
+    """QwenImageModel.get_prompt_embeds: encode_prompt's max_sequence_length (1024) and the tokenizer's
+    tokenizer_max_length (1024) past the template; the probe encodes the longest caption a job can have."""
+    assert models.architecture_spec(tiny_job("qwen_image", name="Qwen/Qwen-Image"))["arch"]["text_seq_len"] == 1024
+
+
+def test_flux_brings_t5_to_the_device_before_clip_and_the_vae_last():
+    """stable_diffusion_model.py load_model (is_flux): T5 is loaded and quantized on the device, then CLIP;
+    the VAE reaches the device at the end of load_model, and BaseSDTrainProcess.run sends it back."""
+    import torch
+
+    from fitfinder.probe import meter as meters
+
+    request = probe.request_for(tiny_job("flux", {"model.quantize": True}), 1, "sim", None)
+    meter, arrived = meters.SimMeter(None), []
+    to_device = meter.to_device
+
+    def recorded(obj):
+        if isinstance(obj, torch.nn.Module) and type(obj).__name__ not in arrived:
+            arrived.append(type(obj).__name__)
+        return to_device(obj)
+
+    meter.to_device = recorded
+    with meter:
+        pipe = models.load_pipeline(request["model"], request, meter)
+    assert arrived[:4] == ["FluxTransformer2DModel", "T5EncoderModel", "CLIPTextModel", "AutoencoderKL"]
+    assert "vae" not in pipe.on_device
+
+
+def test_a_datasets_own_batch_size_is_the_batch_and_the_batch_knob_writes_it():
+    """toolkit/data_loader.py get_dataloader_from_datasets (b96476a8): a dataset's batch_size overrides
+    train.batch_size; fitfinder probes one batch size and refuses datasets that differ, in one line."""
+    from fitfinder import jobconfig
+    from fitfinder import space as spaces
+    from fitfinder.errors import ConfigError
+
+    job = tiny_job("flux", {"datasets[0].batch_size": 2})
+    assert probe.request_for(job, 1, "sim", None)["batch_size"] == 2
+    space = spaces.build(job)
+    lighter = space.apply(job, {**space.desired(), "batch": 1})
+    assert lighter.get("datasets[0].batch_size") == 1 and lighter.accumulation == 2
+    mixed = tiny_job("flux", {"datasets[0].batch_size": 2}, more_datasets=[
+        {"folder_path": "/data/more", "resolution": [256], "batch_size": 4}])
+    with pytest.raises(ConfigError) as refused:
+        jobconfig.loads(mixed.dumps(), "<mixed batches>")
+    assert "datasets[*].batch_size: these datasets batch by 2, 4" in str(refused.value)
+
+
+@pytest.mark.slow
+def test_a_first_sample_section_adds_its_own_preview_before_training(run_tiny):
+    """BaseSDTrainProcess: `first_sample:` is a SampleConfig of its own (its defaults, not sample's),
+    rendered before training even with skip_first_sample."""
+    first = {"width": 320, "height": 320, "sample_steps": 20}
+    request = probe.request_for(tiny_job("flux", {"first_sample": first, "train.skip_first_sample": True}),
+                                1, "sim", None)
+    assert request["first_sample"]["width"] == 320 and request["first_sample"]["guidance_scale"] == 7
+    plain, with_first = run_tiny("flux"), run_tiny("flux", {"first_sample": first})
+    skipped = run_tiny("flux", {"first_sample": first, "train.skip_first_sample": True})
+    assert plain["status"] == with_first["status"] == skipped["status"] == "ok"
+    assert with_first["phases"]["sample"] > plain["phases"]["sample"]
+    assert skipped["phases"]["sample"] == with_first["phases"]["sample"]
+
+
 # -- item 2: quanto's qint4 in quanto's own layout, on fake tensors too -----------------------------
 def _qint4_block_peaks(meter):
     """Each phase's peak for three qint4 layers (bf16, whole groups of 128: TinyGemm's layout) quantized,
@@ -669,10 +733,11 @@ def _frozen_bytes(module) -> int:
 
 def test_flux_with_low_vram_holds_the_quantized_transformer_and_bf16_t5_together_at_load():
     """stable_diffusion_model.py load_model (is_flux): the 8-bit transformer is on the device when
-    T5 arrives in bf16 to be quantized there; after load every part is on the device."""
+    T5 arrives in bf16 to be quantized there; after load every part is on the device but the VAE,
+    which BaseSDTrainProcess.run sends to the CPU (`vae.to('cpu')`)."""
     plain, plain_meter = _loaded("flux", {"model.quantize": True})
     pipe, meter = _loaded("flux", {"model.quantize": True, "model.low_vram": True})
-    assert pipe.on_device == plain.on_device == set(pipe.family.parts)
+    assert pipe.on_device == plain.on_device == set(pipe.family.parts) - {"vae"}
     # at T5's quantization the 8-bit transformer (its LoRA comes later), CLIP and T5 in bf16 are on the
     # device together
     together = _frozen_bytes(pipe.parts["transformer"]) + _frozen_bytes(pipe.parts["text_encoder"]) + \
@@ -694,7 +759,7 @@ def test_a_transformer_quantized_in_host_memory_waits_there_while_the_encoder_is
     peaks = {}
     for low_vram in (False, True):
         pipe, meter = _loaded(family, {**eight_bit, "model.low_vram": low_vram})
-        assert pipe.on_device == set(pipe.family.parts)
+        assert pipe.on_device == set(pipe.family.parts) - {"vae"}  # BaseSDTrainProcess.run: vae.to('cpu')
         peaks[low_vram] = meter.phases["load"]["peak_reserved"]
     assert peaks[False] == peaks[True]
     monkeypatch.setitem(models.FAMILIES, family, replace(models.FAMILIES[family], placement={
@@ -734,7 +799,7 @@ def test_wan22_with_low_vram_holds_one_expert_and_only_while_it_predicts():
     assert probe.resident("train", low, wan22, active="transformer_2") == {"transformer_2", "text_encoder", "vae"}
     assert probe.resident("train", {**low, "low_vram": False}, wan22) == {*wan22.denoisers, "text_encoder", "vae"}
     pipe, _ = _loaded("wan22", {"model.low_vram": True})
-    assert pipe.on_device == {"text_encoder", "vae"}
+    assert pipe.on_device == {"text_encoder"}  # and the VAE to the CPU (BaseSDTrainProcess.run)
 
 
 def _on_the_device(meter, tensors) -> bool:
@@ -750,7 +815,7 @@ def test_the_lora_stays_on_the_device_wherever_its_model_goes():
     import torch
 
     pipe, meter = _loaded("wan22", {"model.low_vram": True})
-    assert pipe.on_device == {"text_encoder", "vae"}
+    assert pipe.on_device == {"text_encoder"}
     lora = {name: pipe.trainable_parameters([name]) for name in pipe.family.denoisers}
     frozen = {name: [p for p in pipe.parts[name].parameters() if not p.requires_grad] for name in lora}
     assert all(lora.values()) and {p.dtype for params in lora.values() for p in params} == {torch.float32}
@@ -770,7 +835,7 @@ def test_wan21_i2v_with_low_vram_sends_umt5_and_the_image_encoder_back_until_use
     get_noise_prediction brings the tower at the first step. Without low_vram no preset moves it."""
     i2v = models.FAMILIES["wan21_i2v"]
     pipe, _ = _loaded("wan21_i2v", {"model.low_vram": True})
-    assert pipe.on_device == {"transformer", "vae"}
+    assert pipe.on_device == {"transformer"}  # the VAE too goes to the CPU (BaseSDTrainProcess.run)
     request = {"low_vram": True, "text_encoder": "keep", "cache_latents": True, "trained": ["transformer"]}
     assert "image_encoder" not in probe.resident("sample", request, i2v)
     assert "image_encoder" in probe.resident("train", request, i2v)

@@ -247,6 +247,15 @@ class JobFile:
         return _qtype_name(self.get("model.qtype_te"))
 
     @property
+    def batch_size(self) -> int:
+        """The batch a step trains: the datasets' own `batch_size`, which overrides train.batch_size
+        (toolkit/data_loader.py get_dataloader_from_datasets, AI Toolkit b96476a8; the checks allow one
+        value across datasets), else train.batch_size."""
+        own = [d.get("batch_size") for d in self.process.get("datasets") or [] if isinstance(d, dict)]
+        own = [value for value in own if value is not None]
+        return int(own[0]) if own else int(self.get("train.batch_size"))
+
+    @property
     def lora_rank(self) -> int | None:
         """The LoRA's rank, None for a full fine-tune (no `network`). AI Toolkit's NetworkConfig
         takes `rank` over `linear` when both are given."""
@@ -480,7 +489,8 @@ _INTEGERS = {
     "save.save_every": (1, 100_000_000),
     "network.lokr_factor": (-1, 1_000_000),  # NetworkConfig: -1 (the default) splits each side most evenly
 }
-_DATASET_INTEGERS = {"num_frames": FRAMES, "bucket_tolerance": (1, 4096), "num_repeats": (1, 1_000_000)}
+_DATASET_INTEGERS = {"num_frames": FRAMES, "bucket_tolerance": (1, 4096), "num_repeats": (1, 1_000_000),
+                     "batch_size": (1, 10_000)}
 _NUMBERS = {  # (low, high, low excluded)
     "network.linear_alpha": (0, 1e6, True), "network.alpha": (0, 1e6, True), "network.conv_alpha": (0, 1e6, True),
     "sample.guidance_scale": (0, 100, False), "train.lr": (0, 10, True),
@@ -584,6 +594,11 @@ def _dataset_problems(job: JobFile, check) -> list[str]:
             check(f"datasets[{i}].{key}", lambda v: isinstance(v, bool), "true or false")
         for key in ("folder_path", "caption_ext"):
             check(f"datasets[{i}].{key}", lambda v: isinstance(v, str) and v.strip() != "", "a text")
+    own = sorted({d["batch_size"] for d in datasets if isinstance(d, dict) and d.get("batch_size") is not None},
+                 key=str)
+    if len(own) > 1:
+        problems.append(f"{p}datasets[*].batch_size: these datasets batch by {', '.join(map(str, own))}; fitfinder "
+                        "probes one batch size, so give them the same one (or leave it to train.batch_size)")
     return problems
 
 

@@ -79,7 +79,7 @@ class Space:
         self.knobs = tuple(knobs)
         self.by_name = {knob.name: knob for knob in knobs}
         self.job = job
-        self.effective_batch = int(job.get("train.batch_size")) * job.accumulation
+        self.effective_batch = job.batch_size * job.accumulation
 
     # -- points --------------------------------------------------------------------------
     @property
@@ -469,7 +469,7 @@ def _apply_text_encoder(job: JobFile, mode: str, space: Space) -> None:
 
 # -- speed: batch, gradient checkpointing, low_vram, layer offloading ----------------------------
 def _batch(job: JobFile, override: list | None, video: bool) -> Knob:
-    desired = int(job.get("train.batch_size"))
+    desired = job.batch_size
     effective = desired * job.accumulation
     divisors = divisors_of(effective)
     if override is not None:
@@ -488,6 +488,9 @@ def divisors_of(n: int) -> list[int]:
 
 def _apply_batch(job: JobFile, batch: int, space: Space) -> None:
     job.set("train.batch_size", batch)
+    for i, own in enumerate(job.get("datasets[*].batch_size")):  # a dataset's own overrides train's
+        if own is not None:
+            job.set(f"datasets[{i}].batch_size", batch)
     _set(job, space.job.accumulation_key, space.effective_batch // batch)
 
 

@@ -148,6 +148,9 @@ def load(spec: dict, settings: dict, meter) -> Pipeline:
         if loading.leaves:
             pipe.place(pipe.on_device - {part})
     pipe.place(family.after_load(low_vram, quantized))
+    # BaseSDTrainProcess.run, right after load_model and before the network is made: `vae.to('cpu')`,
+    # whatever the model (AI Toolkit 27a03a91); each phase's presets bring it back when they want it.
+    pipe.place(pipe.on_device - {"vae"})
     make_trainable = _add_lora if settings["rank"] else _train_whole
     for name in settings["trained"]:
         if name in pipe.on_device:

@@ -36,7 +36,11 @@ FAMILY = Family(
     layer_offloading=True,
     recovery_adapter=True,  # quantize_model (toolkit/util/quantize.py) reads qtype's adapter
     te_qtype_key="qtype_te",
-    text_seq_len=512,  # QwenImagePipeline.__call__'s max_sequence_length
+    # QwenImageModel.get_prompt_embeds calls encode_prompt with its default max_sequence_length, 1024,
+    # and the tokenizer truncates at tokenizer_max_length (1024) past the template: a caption is encoded
+    # at its own length up to 1024 tokens, and the probe encodes the longest (previews' 512 is
+    # QwenImagePipeline.__call__'s, which AI Toolkit's previews do not take: they pass embeddings)
+    text_seq_len=1024,
     tokenizer="tokenizer",
     # load_model: `text_encoder.model.visual = None` unless the model keeps the vision tower (edit models).
     dropped={"text_encoder": ("model.visual",)},

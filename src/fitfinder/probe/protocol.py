@@ -71,6 +71,7 @@ class ProbeRequest(TypedDict):
     trained: list[str]  # the denoisers that get a LoRA, or train whole
     switch_every: int  # two-expert models
     sample: SampleSettings
+    first_sample: NotRequired[SampleSettings]  # `first_sample:`'s own preview before training
     preview_holds_gradients: bool
     steps: int
     meter: Meter

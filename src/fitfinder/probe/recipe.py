@@ -129,9 +129,11 @@ def _recipe(request: dict, meter, result: dict) -> None:
         prompts[kind] = {key: meter.to_host(value) for key, value in prompts[kind].items()}
     with _phase("latents", pipe, request):
         _encode_latents(pipe, request)
-    if sample["first"]:
+    first = [settings for settings in (request.get("first_sample"), sample if sample["first"] else None) if settings]
+    if first:
         with _phase("sample", pipe, request), _ema_weights(ema):
-            _sample(pipe, request, prompts)
+            for settings in first:  # `first_sample:`'s preview, then the baseline one
+                _sample(pipe, request, prompts, settings)
     with _phase("train", pipe, request):
         for kind in held:
             prompts[kind] = {key: meter.to_device(value) for key, value in prompts[kind].items()}
@@ -232,7 +234,7 @@ def _encode_text(pipe, request: dict) -> dict:
         prompts = {"train": pipe.recipe.encode_prompts(encoders, batch)}
         if request.get("preservation"):  # the class or blank prompt, expanded to the batch
             prompts["preservation"] = pipe.recipe.encode_prompts(encoders, batch)
-        if request["sample"]["first"] or request["sample"]["last"]:
+        if request["sample"]["first"] or request["sample"]["last"] or request.get("first_sample"):
             prompts["sample"] = pipe.recipe.encode_prompts(encoders, 1)
             prompts["negative"] = pipe.recipe.encode_prompts(encoders, 1)
     del encoders
@@ -272,17 +274,18 @@ def _gradients_held(pipe, request: dict):
             param.grad = None
 
 
-def _sample(pipe, request: dict, prompts: dict) -> None:
-    """A preview as AI Toolkit renders one: denoising steps with guidance, then the VAE decode."""
-    _denoise_and_decode(pipe, request, prompts)
+def _sample(pipe, request: dict, prompts: dict, settings: dict | None = None) -> None:
+    """A preview as AI Toolkit renders one: denoising steps with guidance, then the VAE decode
+    (`settings`: request["sample"] unless given)."""
+    _denoise_and_decode(pipe, request, prompts, settings or request["sample"])
 
 
-def _denoise_and_decode(pipe, request: dict, prompts: dict) -> None:
+def _denoise_and_decode(pipe, request: dict, prompts: dict, settings: dict) -> None:
     """The phase brought every part (the 'generate' preset); a preview pipeline may then move parts
     off for the denoising loop and for the decode (Placement.in_previews: Wan's under low_vram)."""
     import torch
 
-    settings, recipe = request["sample"], pipe.recipe
+    recipe = pipe.recipe
     height, width = _accepted_size(pipe, settings["height"]), _accepted_size(pipe, settings["width"])
     for name in pipe.family.denoisers:
         pipe.parts[name].eval()

@@ -43,7 +43,7 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
         "text_encoder": job.text_encoder_mode,
         "cache_latents": job.latents_cached,
         "shapes": _shapes(job, family.video),
-        "batch_size": int(job.get("train.batch_size")),
+        "batch_size": job.batch_size,
         "accumulation": job.accumulation,
         "gradient_checkpointing": bool(job.get("train.gradient_checkpointing")),
         **_trained_weights(job, family),
@@ -55,6 +55,7 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
         "trained": family.trained_denoisers(job),
         "switch_every": int(job.get("train.switch_boundary_every")),
         "sample": _sample_settings(job, family.video),
+        **_first_sample(job, family.video),
         # AI Toolkit counts a step per micro-batch with gradient_accumulation_steps and samples on
         # that count (BaseSDTrainProcess.run), so a preview can land while gradients accumulate.
         "preview_holds_gradients": int(job.get("train.gradient_accumulation_steps")) > 1,
@@ -250,13 +251,32 @@ def _sample_settings(job, video: bool) -> SampleSettings:
             "guidance_scale": float(job.get("sample.guidance_scale"))}
 
 
-def _preview_size(job) -> tuple[int, int]:
-    """The largest preview (by pixels): sample.width x height, each of sample.samples' own
-    width/height, and a prompt's `--w`/`--h` flags (AI Toolkit's SampleConfig and
+# toolkit/config_modules.py SampleConfig's defaults, for a `first_sample:` section that leaves a key out.
+SAMPLE_CONFIG_DEFAULTS = {"width": 512, "height": 512, "num_frames": 1, "sample_steps": 20, "guidance_scale": 7}
+
+
+def _first_sample(job, video: bool) -> dict:
+    """`first_sample:` (BaseSDTrainProcess: its own SampleConfig, made from that section alone): a
+    preview before training from it, skip_first_sample or not (only disable_sampling stops it), then
+    the baseline preview unless skipped; both are the probe's first preview phase. {} without it."""
+    section = job.get("first_sample", None)
+    if not isinstance(section, dict) or job.get("train.disable_sampling"):
+        return {}
+    read = {key: section.get(key, default) for key, default in SAMPLE_CONFIG_DEFAULTS.items()}
+    width, height = _preview_size(job, "first_sample", (int(read["width"]), int(read["height"])))
+    return {"first_sample": {"first": True, "last": False, "width": width, "height": height,
+                             "frames": int(read["num_frames"]) if video else 1,
+                             "steps": min(SAMPLE_STEPS, int(read["sample_steps"])),
+                             "guidance_scale": float(read["guidance_scale"])}}
+
+
+def _preview_size(job, section: str = "sample", default: tuple[int, int] | None = None) -> tuple[int, int]:
+    """The largest preview (by pixels): sample.width x height (or `default`), each of the section's
+    samples' own width/height, and a prompt's `--w`/`--h` flags (AI Toolkit's SampleConfig and
     GenerateImageConfig read them per prompt, commit 27a03a91)."""
-    default = (int(job.get("sample.width")), int(job.get("sample.height")))
+    default = default or (int(job.get("sample.width")), int(job.get("sample.height")))
     sizes = [default]
-    for item in (job.get("sample.samples", None) or []) + (job.get("sample.prompts", None) or []):
+    for item in (job.get(f"{section}.samples", None) or []) + (job.get(f"{section}.prompts", None) or []):
         if isinstance(item, dict):
             sizes.append((int(item.get("width", default[0])), int(item.get("height", default[1]))))
             item = item.get("prompt", "")
