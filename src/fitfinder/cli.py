@@ -266,6 +266,13 @@ def _note_assumptions(out, job) -> None:
     if adapter is not None and not adapter["read"]:
         out.note(f"the accuracy-recovery adapter {adapter['path']} is not on this machine: its rank is assumed "
                  f"to be {adapter['rank']}, on the LoRA's layers (AI Toolkit reads both from the file)")
+    backend = str(job.get("train.attention_backend", None) or "native")
+    if backend != "native":  # BaseSDTrainProcess.run: set_attention_backend on the unet, VAE and encoders
+        out.note(f"train.attention_backend {backend}: estimated with diffusers' native attention (PyTorch's "
+                 "scaled_dot_product_attention); its kernels do not run on the CPU")
+    if job.get("model.compile", None):
+        out.note("model.compile: estimated uncompiled; torch.compile's fusions (and block_compile's) change "
+                 "what a card holds for activations, which fitfinder does not follow")
 
 
 def _estimate_search(job, runner, model, out) -> None:

@@ -68,7 +68,20 @@ KNOB_NAMES = (
 # an accuracy-recovery LoRA, small next to the weights; it is not probed.
 QTYPE_BITS = {"qfloat8": 8, "float8": 8, "qfloat8_e4m3fn": 8, "float8_e4m3fn": 8, "fp8": 8, "qint8": 8, "int8": 8,
               "qint4": 4, "uint4": 4, "int4": 4, "nf4": 4, "fp4": 4,
-              "uint2": 2, "uint3": 3, "uint5": 5, "uint6": 6, "uint7": 7}
+              "uint2": 2, "uint3": 3, "uint5": 5, "uint6": 6, "uint7": 7,
+              # uint8 resolves to AI Toolkit's UIntXQuantizer, whose can_quantize refuses every layer
+              # (toolkit/util/uintx_quant.py): the model stays in its dtype, as the probe leaves it
+              "uint8": 8}
+# AI Toolkit's own quantization backends (toolkit/util/ostris_quant.py get_ostris_quantizer, commit
+# 27a03a91) that fitfinder does not follow yet: qtype -> the backend. Each keeps its own packed state and
+# forward (rotations, codebooks, fp4 blocks, triton kernels on a card); a job naming one is refused.
+UNFOLLOWED_QTYPES = {
+    **{f"orbit{bits}": "OrbitQuant (toolkit/util/orbit_quant.py)" for bits in (2, 3, 4)},
+    **{f"orbitvq{bits}": "OrbitVQ (toolkit/util/orbit_vq_quant.py)" for bits in (2, 3, 4)},
+    **{name: "ConvRot (toolkit/util/convrot_quant.py)" for name in (
+        "convrot4", "convrot8", "convrotbitnet", "convrotcomfyw4a4", *(f"convrotint{b}" for b in range(2, 9)))},
+    "nvfp4": "NVFP4 (toolkit/util/nvfp4_quant.py)",
+}
 # Optimizers the probe builds, by the names AI Toolkit's toolkit/optimizer.py accepts (any case);
 # every name starting with "prodigy" but prodigy8bit is prodigyopt's Prodigy there.
 OPTIMIZERS = ("adafactor", "adam", "adamw", "adam8bit", "adamw8bit", "lion", "lion8bit", "prodigy")
@@ -567,6 +580,11 @@ def _value_problems(job: JobFile) -> list[str]:
     unused = {"model.qtype": not job.quantize and not job.quantize_te, "model.qtype_te": not job.quantize_te}
     for key in ("model.qtype", "model.qtype_te"):
         if not (unused[key] and job.has(key) and job.get(key) == ""):
+            backend = UNFOLLOWED_QTYPES.get(_qtype_name(job.get(key))) if job.has(key) else None
+            if backend:
+                problems.append(f"{p}{key}: {job.get(key)} is AI Toolkit's {backend} quantization, which fitfinder "
+                                "does not follow yet; probe it with qfloat8, qint8, qint4 or uint2 to uint7")
+                continue
             check(key, _qtype_ok, f"one of {', '.join(QTYPE_BITS)} (optionally followed by |adapter)")
     from fitfinder.models import arch_problem  # no torch there
 

@@ -175,6 +175,8 @@ def quantize(module: torch.nn.Module, qtype: str, repeated=None, only=None, excl
     Returns the number of layers quantized.
     """
     base = qtype.split("|")[0].strip().lower()
+    if base == "uint8":  # UIntXQuantizer.can_quantize refuses every layer (toolkit/util/uintx_quant.py)
+        return 0
     kept = (getattr(module, "_keep_in_fp32_modules", None) or []) if _is_diffusers(type(module)) else []
     # AI Toolkit's grouped formats leave a layer whose input is no whole number of groups as it is
     # (UIntXQuantizer.can_quantize).

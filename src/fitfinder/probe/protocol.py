@@ -67,6 +67,7 @@ class ProbeRequest(TypedDict):
     optimizer_params: dict[str, Any]
     ema_decay: Optional[float]  # None without EMA
     preservation: NotRequired[bool]  # diff_output_ or blank_prompt_preservation: a prior and a second prediction
+    validation: NotRequired[dict[str, int]]  # train.validation_config: resolution and batch (the sigmas)
     lr: float
     trained: list[str]  # the denoisers that get a LoRA, or train whole
     switch_every: int  # two-expert models

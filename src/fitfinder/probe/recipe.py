@@ -124,7 +124,7 @@ def _recipe(request: dict, meter, result: dict) -> None:
         prompts = _encode_text(pipe, request)
     # The captions' embeddings wait on the host until the steps that use them, as a trainer keeps
     # cached embeddings (or encodes each batch when its step comes); the sample prompts stay.
-    held = [kind for kind in ("train", "preservation") if kind in prompts]
+    held = [kind for kind in ("train", "preservation", "validation") if kind in prompts]
     for kind in held:
         prompts[kind] = {key: meter.to_host(value) for key, value in prompts[kind].items()}
     with _phase("latents", pipe, request):
@@ -234,6 +234,8 @@ def _encode_text(pipe, request: dict) -> dict:
         prompts = {"train": pipe.recipe.encode_prompts(encoders, batch)}
         if request.get("preservation"):  # the class or blank prompt, expanded to the batch
             prompts["preservation"] = pipe.recipe.encode_prompts(encoders, batch)
+        if request.get("validation"):  # setup_validation: each item's prompt, one at a time
+            prompts["validation"] = pipe.recipe.encode_prompts(encoders, 1)
         if request["sample"]["first"] or request["sample"]["last"] or request.get("first_sample"):
             prompts["sample"] = pipe.recipe.encode_prompts(encoders, 1)
             prompts["negative"] = pipe.recipe.encode_prompts(encoders, 1)
@@ -376,6 +378,8 @@ def _train(pipe, request: dict, prompts: dict, result: dict, ema=None):
         timings.append(pipe.meter.step_clock() - start)
         walls.append(time.perf_counter() - wall_start)
         result["steps_run"] = step + 1
+    if request.get("validation"):  # validate() runs between steps, with the optimizer's state held
+        _validate(pipe, request, prompts, trained[0])
     result["step_seconds"] = [round(t, 5) for t in timings]
     result["step_wall_seconds"] = [round(t, 5) for t in walls]
     result["seconds_per_step"], result["timing_noise"] = step_timing(schedule, timings)
@@ -420,6 +424,30 @@ def _prior_prediction(pipe, request: dict, prompts: dict, expert: str, noisy, t)
     try:
         with torch.no_grad(), pipe.lora_off(expert):
             return pipe.recipe.predict(denoiser, noisy, t, prompts["preservation"]).detach()
+    finally:
+        denoiser.train()
+
+
+def _validate(pipe, request: dict, prompts: dict, expert: str) -> None:
+    """BaseSDTrainProcess.validate (AI Toolkit commit 27a03a91): one validation image's cached latents
+    and prompt, repeated once per sigma into one batch, noised and predicted without gradients, the
+    model in eval mode and the network on; its loss in fp32."""
+    import torch
+    import torch.nn.functional as F
+
+    settings, recipe = request["validation"], pipe.recipe
+    side, batch = _accepted_size(pipe, settings["resolution"]), settings["batch"]
+    denoiser = pipe.parts[expert]
+    denoiser.eval()
+    try:
+        with torch.no_grad():
+            latents = recipe.inputs.randn(recipe.latent_shape(side, side, 1, batch))
+            noise = recipe.inputs.randn(latents.shape)
+            t = recipe.inputs.timesteps(batch)
+            noisy, target = recipe.noisy_and_target(latents, noise, t)
+            cond = {key: torch.cat([value] * batch) for key, value in prompts["validation"].items()}
+            loss = F.mse_loss(recipe.predict(denoiser, noisy, t, cond).float(), target.float())
+            del latents, noise, noisy, target, cond, loss
     finally:
         denoiser.train()
 

@@ -51,6 +51,7 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
         "optimizer_params": json.loads(json.dumps(job.get("train.optimizer_params", None) or {})),
         "ema_decay": _ema_decay(job),
         "preservation": _preservation(job),
+        **_validation(job),
         "lr": float(job.get("train.lr")),
         "trained": family.trained_denoisers(job),
         "switch_every": int(job.get("train.switch_boundary_every")),
@@ -223,6 +224,22 @@ def _preservation(job) -> bool:
         raise UserError(f"{where}.diff_output_preservation: AI Toolkit requires a trigger_word with it; set "
                         "config.process[0].trigger_word")
     return dop or blank
+
+
+def _validation(job) -> dict:
+    """train.validation_config (toolkit/config_modules.py ValidationConfig; BaseSDTrainProcess
+    setup_validation, validate): every validate_every_n_steps, each validation image's cached latents
+    at `resolution` (512) with every one of validation_sigmas (four) as one batch, predicted without
+    gradients, the network on. AI Toolkit skips items without an image_path; the probe validates a
+    square image at the resolution. {} without validation."""
+    config = job.get("train.validation_config", None)
+    if not isinstance(config, dict):
+        return {}
+    items = [item for item in config.get("validation_items") or [] if isinstance(item, dict) and item.get("image_path")]
+    if not items:
+        return {}
+    sigmas = config.get("validation_sigmas") or [1.0, 0.75, 0.5, 0.25]
+    return {"validation": {"resolution": int(config.get("resolution", 512)), "batch": len(sigmas)}}
 
 
 def _ema_decay(job) -> float | None:
