@@ -7,6 +7,7 @@ GiB, where the peak is, and whether the job fits 24 GiB, with the machine's load
 it (an estimate's bytes do not depend on load; its seconds do).
 
     python benchmarks/example_estimates.py [--vram 24GiB] [--only NAME ...] [--json PATH]
+    python benchmarks/example_estimates.py --compare BEFORE.json AFTER.json   # which phases moved
 """
 
 from __future__ import annotations
@@ -52,12 +53,51 @@ def row(result: dict) -> str:
     return f"| `{result['job']}` | {' | '.join(cells)} | {verdict}: {phases[peak] / GIB:.1f} GiB in {peak} |"
 
 
+MIB = 1024 ** 2
+
+
+def verdict(result: dict | None) -> str:
+    if result is None:
+        return "(no job)"
+    if "refused" in result or "failed" in result:
+        return "refused" if "refused" in result else "failed"
+    return "fits" if result["fits_with_margin"] else "fits past the margin" if result["fits"] else "does not fit"
+
+
+def compare(before_path: Path, after_path: Path) -> None:
+    """Per job, the phases whose estimate moved between two --json runs (GiB, and the move in MiB), and
+    the verdicts; jobs whose every phase is the same to the byte are counted, not listed."""
+    before = {r["job"]: r for r in json.loads(before_path.read_text())["results"]}
+    after = {r["job"]: r for r in json.loads(after_path.read_text())["results"]}
+    print("| job | phases that moved: before -> after GiB (MiB) | verdict |")
+    print("|---|---|---|")
+    same = []
+    for job in sorted(before.keys() | after.keys()):
+        old, new = before.get(job), after.get(job)
+        old_phases, new_phases = (old or {}).get("phases") or {}, (new or {}).get("phases") or {}
+        moved = [f"{phase} {old_phases[phase] / GIB:.2f} -> {new_phases[phase] / GIB:.2f} "
+                 f"({(new_phases[phase] - old_phases[phase]) / MIB:+,.0f})"
+                 for phase in PHASES if old_phases.get(phase) != new_phases.get(phase)
+                 and old_phases.get(phase) and new_phases.get(phase)]
+        if not moved and verdict(old) == verdict(new) and old is not None and new is not None:
+            same.append(job)
+            continue
+        change = verdict(new) if verdict(old) == verdict(new) else f"{verdict(old)} -> {verdict(new)}"
+        print(f"| `{job}` | {'; '.join(moved) or 'none'} | {change} |")
+    print(f"\n{len(same)} jobs the same to the byte in every phase: {', '.join(same) or 'none'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vram", default="24GiB")
     parser.add_argument("--only", nargs="*", help="job names (file stems) to estimate; all by default")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"),
+                        help="print which phases moved between two --json files, and estimate nothing")
     args = parser.parse_args()
+    if args.compare:
+        compare(*args.compare)
+        return
     jobs = sorted((ROOT / "examples" / "aitk").glob("*.yaml"))
     if args.only:
         jobs = [job for job in jobs if job.stem in args.only]

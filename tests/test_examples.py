@@ -15,6 +15,7 @@ AITK_COMMIT = "27a03a91f23eb1b757d5ec2e80ee3e129cfcc350"
 # architecture each resolves to.
 SUPPORTED = {
     "train_lora_flux_24gb": "flux-dev", "modal_train_lora_flux_24gb": "flux-dev",
+    "ui_flux": "flux-dev", "ui_flux_lokr": "flux-dev",
     "train_lora_flux_schnell_24gb": "flux-schnell", "modal_train_lora_flux_schnell_24gb": "flux-schnell",
     "train_lora_flex_24gb": "flex1-alpha",
     "train_lora_wan21_14b_24gb": "wan21-14b", "train_lora_wan21_1b_24gb": "wan21-1.3b",

@@ -320,6 +320,42 @@ def test_families_whose_loader_never_offloads_ignore_the_keys_and_have_no_knob()
     assert "layer_offloading" in spaces.build(tiny_job("wan21")).by_name
 
 
+@pytest.mark.parametrize("family", ["qwen_image", "zimage"])
+def test_an_encoder_offloaded_in_host_memory_never_brings_its_offloaded_layers_to_the_device(family, monkeypatch):
+    """QwenImageModel.load_model, ZImageModel.load_model: MemoryManager.attach on the text encoder
+    before `text_encoder.to(device)` and before `quantize`, so its managed layers are quantized on the
+    CPU and only its embeddings and norms come: no moment of the load holds more than what stays on
+    the device after it. Attached after (as the probe did), the bf16 encoder came first."""
+    from dataclasses import replace
+
+    changes = {"model.quantize": True, "model.quantize_te": True, **OFFLOAD}
+    pipe, meter = _loaded(family, changes)
+    assert pipe.offloaded == {"transformer", "text_encoder"}
+    assert meter.phases["load"]["peak_reserved"] == meter.live_bytes
+    family_now = models.FAMILIES[family]
+    attached_after = {part: replace(where, offloaded_on_host="never") for part, where in family_now.placement.items()}
+    monkeypatch.setitem(models.FAMILIES, family, replace(family_now, placement=attached_after))
+    _, before = _loaded(family, changes)
+    assert before.live_bytes == meter.live_bytes
+    assert before.phases["load"]["peak_reserved"] > meter.phases["load"]["peak_reserved"]
+
+
+@pytest.mark.slow
+def test_an_encoder_offloaded_in_part_in_host_memory_estimates_to_the_sim_meters_bytes():
+    """Half of Qwen2.5-VL's layers offloaded: those quantized in host memory, the rest on the device."""
+    from fitfinder.probe import estimate
+    from fitfinder.probe.overhead import GpuOverhead
+
+    changes = {"model.quantize": True, "model.quantize_te": True, **OFFLOAD,
+               "model.layer_offloading_text_encoder_percent": 0.5}
+    runner = probe.ProbeRunner(timeout_s=300)
+    request = probe.request_for(tiny_job("qwen_image", changes), 3, "sim", None)
+    sim, fake = runner.run(request), runner.run(estimate.as_estimate(request, GpuOverhead.none()))
+    assert sim["status"] == fake["status"] == "ok", (sim.get("error"), fake.get("error"))
+    measured = {phase: stats["peak_allocated"] for phase, stats in sim["phase_stats"].items()}
+    assert {phase: stats["peak_live"] for phase, stats in fake["phase_stats"].items()} == measured
+
+
 def test_the_offloading_knob_writes_ai_toolkits_own_keys(tmp_path):
     from fitfinder import jobconfig
     from fitfinder import space as spaces
@@ -340,6 +376,234 @@ def test_the_offloading_knob_writes_ai_toolkits_own_keys(tmp_path):
     turned_off = spaces.build(on).apply(on, {**spaces.build(on).desired(), "layer_offloading": 0.0})
     assert turned_off.get("model.layer_offloading") is False
     assert probe.request_for(turned_off, 3, "sim", None)["layer_offloading"]["denoiser"] == 0.0
+
+
+# -- output preservation (issue 34, item 3) ------------------------------------------------------
+@pytest.mark.slow
+def test_output_preservation_holds_a_second_prediction_until_the_backward_and_estimates_to_the_same_bytes():
+    """SDTrainer.train_single_accumulation with blank_prompt_preservation (or diff_output_preservation):
+    a prior prediction without gradients, the network off, then the step's prediction and the
+    preservation prediction, both with gradients, through one backward."""
+    from fitfinder.probe import estimate
+    from fitfinder.probe.overhead import GpuOverhead
+
+    runner = probe.ProbeRunner(timeout_s=300)
+    plain = runner.run(probe.request_for(tiny_job("flux"), 3, "sim", None))
+    request = probe.request_for(tiny_job("flux", {"train.blank_prompt_preservation": True}), 3, "sim", None)
+    kept, fake = runner.run(request), runner.run(estimate.as_estimate(request, GpuOverhead.none()))
+    assert plain["status"] == kept["status"] == fake["status"] == "ok", (kept.get("error"), fake.get("error"))
+    # the train phase holds the second graph; the encoders' phase the preservation prompt
+    assert kept["phases"]["train"] > plain["phases"]["train"]
+    assert kept["phases"]["text_encoder"] > plain["phases"]["text_encoder"]
+    assert kept["phases"]["load"] == plain["phases"]["load"]
+    measured = {phase: stats["peak_allocated"] for phase, stats in kept["phase_stats"].items()}
+    assert {phase: stats["peak_live"] for phase, stats in fake["phase_stats"].items()} == measured
+
+
+def test_output_preservation_is_refused_as_ai_toolkit_refuses_it():
+    from fitfinder.errors import UserError
+
+    for changes, said in (({"train.diff_output_preservation": True}, "requires a trigger_word"),
+                          ({"train.diff_output_preservation": True, "train.blank_prompt_preservation": True,
+                            "trigger_word": "sks"}, "together")):
+        with pytest.raises(UserError) as refused:
+            probe.request_for(tiny_job("flux", changes), 1, "sim", None)
+        assert said in str(refused.value) and "\n" not in str(refused.value)
+    assert probe.request_for(tiny_job("flux", {"train.diff_output_preservation": True, "trigger_word": "sks"}),
+                             1, "sim", None)["preservation"] is True
+
+
+# -- the accuracy-recovery adapter (issue 34, item 4) ----------------------------------------------
+def test_a_recovery_adapters_rank_and_layers_are_read_from_its_file_or_assumed(tmp_path):
+    """quantize_model: the rank is the first lora_A weight's rows, the layers the keys' prefixes."""
+    import torch
+    from safetensors.torch import save_file
+
+    from fitfinder.probe.request import RECOVERY_RANK_ASSUMED, recovery_adapter
+
+    adapter = tmp_path / "ara.safetensors"
+    save_file({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 8),
+               "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(8, 4)}, str(adapter))
+    qwen = models.FAMILIES["qwen_image"]
+    read = recovery_adapter(tiny_job("qwen_image", {"model.quantize": True, "model.qtype": f"uint3|{adapter}"}), qwen)
+    assert read == {"rank": 4, "layers": ["transformer_blocks.0.attn.to_q"], "read": True, "path": str(adapter)}
+    absent = {"model.quantize": True, "model.qtype": "uint3|me/repo/no.safetensors"}
+    assumed = recovery_adapter(tiny_job("qwen_image", absent), qwen)
+    assert assumed["rank"] == RECOVERY_RANK_ASSUMED and not assumed["read"]
+    # FLUX.1's loader (stable_diffusion_model.py) quantizes without quantize_model: no adapter
+    assert recovery_adapter(tiny_job("flux", {"model.quantize": True, "model.qtype": f"uint3|{adapter}"}),
+                            models.FAMILIES["flux"]) is None
+
+
+@pytest.mark.slow
+def test_a_recovery_adapter_is_on_the_device_in_bf16_with_gradients_and_untrained(tmp_path):
+    """quantize_model with an adapter: the LoRA on the device in the model's dtype, requiring gradients
+    (they appear at the first backward and stay: no optimizer holds it), its layers quantized with the
+    qtype and the others left in the model's dtype (uint8, which UIntXQuantizer refuses)."""
+    import torch
+
+    from optimum.quanto.nn import QLinear
+
+    from fitfinder.probe import estimate
+    from fitfinder.probe.overhead import GpuOverhead
+
+    # 8-bit: the tiny arch's layers are no whole number of uint3's groups of 64
+    changes = {"model.quantize": True, "model.qtype": "qfloat8|me/repo/absent.safetensors", "train.dtype": "bf16"}
+    pipe, meter = _loaded("qwen_image", changes)
+    recovery = pipe.recovery_parameters(["transformer"])
+    trained = pipe.trainable_parameters(["transformer"])
+    assert recovery and {p.dtype for p in recovery} == {torch.bfloat16} and all(p.requires_grad for p in recovery)
+    assert {p.dtype for p in trained} == {torch.float32} and not {id(p) for p in recovery} & {id(p) for p in trained}
+    assert all(p.untyped_storage()._cdata in meter.tracker.live for p in recovery)
+    layers = dict(pipe.parts["transformer"].named_modules())
+    assert isinstance(layers["transformer_blocks.0.attn.to_q.base_layer"], QLinear)
+    assert type(layers["proj_out"]) is torch.nn.Linear  # outside the adapter: never quantized
+    # the probe and the estimate in fp32 (in bf16 quanto's qfloat8 leaves the tiny Qwen-Image 32 bytes
+    # apart in five phases, adapter or not, as it did before the adapter)
+    changes = {**changes, "train.dtype": "fp32"}
+    runner = probe.ProbeRunner(timeout_s=300)
+    request = probe.request_for(tiny_job("qwen_image", changes), 3, "sim", None)
+    plain = runner.run(probe.request_for(tiny_job("qwen_image", {**changes, "model.qtype": "qfloat8"}), 3, "sim", None))
+    sim, fake = runner.run(request), runner.run(estimate.as_estimate(request, GpuOverhead.none()))
+    assert plain["status"] == sim["status"] == fake["status"] == "ok", (sim.get("error"), fake.get("error"))
+    assert all(sim["phases"][phase] > plain["phases"][phase] for phase in plain["phases"])
+    measured = {phase: stats["peak_allocated"] for phase, stats in sim["phase_stats"].items()}
+    assert {phase: stats["peak_live"] for phase, stats in fake["phase_stats"].items()} == measured
+
+
+# -- layers AI Toolkit keeps unquantized (issue 34, item 5) ---------------------------------------
+@pytest.mark.parametrize(("family", "kept", "quantized"), [
+    ("wan22_5b", ["condition_embedder.text_embedder.linear_1", "proj_out"], "blocks.0.attn1.to_q"),
+    ("zimage", ["t_embedder.mlp.0", "cap_embedder.1", "all_x_embedder.2-1", "all_final_layer.2-1.linear"],
+     "layers.0.attention.to_q"),
+])
+def test_the_layers_a_loader_keeps_in_full_precision_stay_unquantized(family, kept, quantized):
+    """get_quantization_exclude_modules (Wan225bModel, Wan2214bModel; toolkit/models/v2/z_image.py),
+    passed by quantize_model and OstrisModelMixin.quantize_ to `quantize` as its exclude patterns."""
+    import torch
+
+    pipe, _ = _loaded(family, {"model.quantize": True})
+    layers = dict(pipe.parts["transformer"].named_modules())
+    assert type(layers[f"{quantized}.base_layer"]).__name__ == "QLinear"
+    for name in kept:
+        assert type(layers.get(f"{name}.base_layer", layers[name])) is torch.nn.Linear, name
+
+
+# -- torchao's float8 and int8 (issue 34, item 6) -------------------------------------------------
+def test_torchao_8_bit_layers_keep_their_weight_in_the_models_dtype_for_the_backward():
+    """torchao 0.10 (AI Toolkit's pin): float8 runs F.linear(x, w.dequantize()), int8 mm(x, w.t().to(x.dtype)):
+    autograd keeps that weight; quanto's linear function keeps the 8-bit one, which is resident anyway."""
+    import torch
+
+    from fitfinder.models._weights import quantize
+    from fitfinder.probe.meter import StorageTracker
+
+    x = torch.randn(4, 64, 256, dtype=torch.bfloat16, requires_grad=True)
+    held = {}
+    for qtype in ("qfloat8", "float8", "qint8", "int8"):
+        torch.manual_seed(0)
+        layer = torch.nn.Sequential(torch.nn.Linear(256, 1024, dtype=torch.bfloat16)).requires_grad_(False)
+        quantize(layer, qtype)
+        tracker = StorageTracker()
+        with tracker:
+            y = layer(x)
+            held[qtype] = tracker.live_bytes - y.untyped_storage().nbytes()
+    weight = 256 * 1024 * 2
+    assert held["float8"] - held["qfloat8"] == weight
+    assert held["int8"] - held["qint8"] >= weight
+
+
+def test_qfloat8_is_torchaos_float8_under_layer_offloading_and_with_z_images_training_adapter():
+    """toolkit/config_modules.py ModelConfig (layer_offloading, any family, both qtypes, a qtype of
+    exactly 'qfloat8'); z_image.py load_model (assistant_lora_path, model.qtype only)."""
+    from fitfinder.probe.request import quant_types
+
+    flux, zimage = models.FAMILIES["flux"], models.FAMILIES["zimage"]
+    assert quant_types(tiny_job("flux"), flux) == ("qfloat8", "qfloat8")
+    assert quant_types(tiny_job("flux", {"model.layer_offloading": True}), flux) == ("float8", "float8")
+    assert quant_types(tiny_job("flux", {"model.layer_offloading": True, "model.qtype": "qfloat8|a/b/c"}),
+                       flux) == ("qfloat8", "qfloat8")
+    assert quant_types(tiny_job("zimage", {"model.assistant_lora_path": "a/b/c.safetensors"}), zimage) == (
+        "float8", "qfloat8")
+    assert quant_types(tiny_job("zimage", {"model.layer_offloading": True}), zimage) == ("float8", "float8")
+
+
+@pytest.mark.slow
+def test_a_torchao_float8_job_estimates_to_the_sim_meters_bytes():
+    from fitfinder.probe import estimate
+    from fitfinder.probe.overhead import GpuOverhead
+
+    changes = {"model.quantize": True, "model.qtype": "float8", "train.dtype": "bf16"}
+    runner = probe.ProbeRunner(timeout_s=300)
+    request = probe.request_for(tiny_job("flux", changes), 3, "sim", None)
+    sim, fake = runner.run(request), runner.run(estimate.as_estimate(request, GpuOverhead.none()))
+    assert sim["status"] == fake["status"] == "ok", (sim.get("error"), fake.get("error"))
+    measured = {phase: stats["peak_allocated"] for phase, stats in sim["phase_stats"].items()}
+    assert {phase: stats["peak_live"] for phase, stats in fake["phase_stats"].items()} == measured
+
+
+# -- the smaller divergences (issue 34, item 7) ------------------------------------------------------
+def test_qwen_image_captions_are_encoded_up_to_1024_tokens():
+    """QwenImageModel.get_prompt_embeds: encode_prompt's max_sequence_length (1024) and the tokenizer's
+    tokenizer_max_length (1024) past the template; the probe encodes the longest caption a job can have."""
+    assert models.architecture_spec(tiny_job("qwen_image", name="Qwen/Qwen-Image"))["arch"]["text_seq_len"] == 1024
+
+
+def test_flux_brings_t5_to_the_device_before_clip_and_the_vae_last():
+    """stable_diffusion_model.py load_model (is_flux): T5 is loaded and quantized on the device, then CLIP;
+    the VAE reaches the device at the end of load_model, and BaseSDTrainProcess.run sends it back."""
+    import torch
+
+    from fitfinder.probe import meter as meters
+
+    request = probe.request_for(tiny_job("flux", {"model.quantize": True}), 1, "sim", None)
+    meter, arrived = meters.SimMeter(None), []
+    to_device = meter.to_device
+
+    def recorded(obj):
+        if isinstance(obj, torch.nn.Module) and type(obj).__name__ not in arrived:
+            arrived.append(type(obj).__name__)
+        return to_device(obj)
+
+    meter.to_device = recorded
+    with meter:
+        pipe = models.load_pipeline(request["model"], request, meter)
+    assert arrived[:4] == ["FluxTransformer2DModel", "T5EncoderModel", "CLIPTextModel", "AutoencoderKL"]
+    assert "vae" not in pipe.on_device
+
+
+def test_a_datasets_own_batch_size_is_the_batch_and_the_batch_knob_writes_it():
+    """toolkit/data_loader.py get_dataloader_from_datasets (b96476a8): a dataset's batch_size overrides
+    train.batch_size; fitfinder probes one batch size and refuses datasets that differ, in one line."""
+    from fitfinder import jobconfig
+    from fitfinder import space as spaces
+    from fitfinder.errors import ConfigError
+
+    job = tiny_job("flux", {"datasets[0].batch_size": 2})
+    assert probe.request_for(job, 1, "sim", None)["batch_size"] == 2
+    space = spaces.build(job)
+    lighter = space.apply(job, {**space.desired(), "batch": 1})
+    assert lighter.get("datasets[0].batch_size") == 1 and lighter.accumulation == 2
+    mixed = tiny_job("flux", {"datasets[0].batch_size": 2}, more_datasets=[
+        {"folder_path": "/data/more", "resolution": [256], "batch_size": 4}])
+    with pytest.raises(ConfigError) as refused:
+        jobconfig.loads(mixed.dumps(), "<mixed batches>")
+    assert "datasets[*].batch_size: these datasets batch by 2, 4" in str(refused.value)
+
+
+@pytest.mark.slow
+def test_a_first_sample_section_adds_its_own_preview_before_training(run_tiny):
+    """BaseSDTrainProcess: `first_sample:` is a SampleConfig of its own (its defaults, not sample's),
+    rendered before training even with skip_first_sample."""
+    first = {"width": 320, "height": 320, "sample_steps": 20}
+    request = probe.request_for(tiny_job("flux", {"first_sample": first, "train.skip_first_sample": True}),
+                                1, "sim", None)
+    assert request["first_sample"]["width"] == 320 and request["first_sample"]["guidance_scale"] == 7
+    plain, with_first = run_tiny("flux"), run_tiny("flux", {"first_sample": first})
+    skipped = run_tiny("flux", {"first_sample": first, "train.skip_first_sample": True})
+    assert plain["status"] == with_first["status"] == skipped["status"] == "ok"
+    assert with_first["phases"]["sample"] > plain["phases"]["sample"]
+    assert skipped["phases"]["sample"] == with_first["phases"]["sample"]
 
 
 # -- item 2: quanto's qint4 in quanto's own layout, on fake tensors too -----------------------------
@@ -469,10 +733,11 @@ def _frozen_bytes(module) -> int:
 
 def test_flux_with_low_vram_holds_the_quantized_transformer_and_bf16_t5_together_at_load():
     """stable_diffusion_model.py load_model (is_flux): the 8-bit transformer is on the device when
-    T5 arrives in bf16 to be quantized there; after load every part is on the device."""
+    T5 arrives in bf16 to be quantized there; after load every part is on the device but the VAE,
+    which BaseSDTrainProcess.run sends to the CPU (`vae.to('cpu')`)."""
     plain, plain_meter = _loaded("flux", {"model.quantize": True})
     pipe, meter = _loaded("flux", {"model.quantize": True, "model.low_vram": True})
-    assert pipe.on_device == plain.on_device == set(pipe.family.parts)
+    assert pipe.on_device == plain.on_device == set(pipe.family.parts) - {"vae"}
     # at T5's quantization the 8-bit transformer (its LoRA comes later), CLIP and T5 in bf16 are on the
     # device together
     together = _frozen_bytes(pipe.parts["transformer"]) + _frozen_bytes(pipe.parts["text_encoder"]) + \
@@ -485,21 +750,42 @@ def test_flux_with_low_vram_holds_the_quantized_transformer_and_bf16_t5_together
 @pytest.mark.parametrize("family", ["zimage", "qwen_image", "ltx2"])
 def test_a_transformer_quantized_in_host_memory_waits_there_while_the_encoder_is_quantized(family, monkeypatch):
     """Z-Image, Qwen-Image and LTX-2 (load_model; quantize_model): the transformer reaches the device
-    after the text encoder was quantized on it, low_vram or not, so the bf16 encoder never meets it:
-    a lower load peak than AI Toolkit's shared placement (each part stays once loaded) gives."""
+    after the text encoder was quantized (on the device; LTX-2's Gemma 3 in host memory), low_vram or
+    not, so the bf16 encoder never meets it: a lower load peak than AI Toolkit's shared placement
+    (each part stays once loaded) gives."""
     from dataclasses import replace
 
     eight_bit = {"model.quantize": True, "model.quantize_te": True}
     peaks = {}
     for low_vram in (False, True):
         pipe, meter = _loaded(family, {**eight_bit, "model.low_vram": low_vram})
-        assert pipe.on_device == set(pipe.family.parts)
+        assert pipe.on_device == set(pipe.family.parts) - {"vae"}  # BaseSDTrainProcess.run: vae.to('cpu')
         peaks[low_vram] = meter.phases["load"]["peak_reserved"]
     assert peaks[False] == peaks[True]
     monkeypatch.setitem(models.FAMILIES, family, replace(models.FAMILIES[family], placement={
         part: where for part, where in models.FAMILIES[family].placement.items() if part != "transformer"}))
     _, shared = _loaded(family, eight_bit)
     assert peaks[False] < shared.phases["load"]["peak_reserved"]
+
+
+def test_ltx2_quantizes_gemma_3_in_host_memory(monkeypatch):
+    """LTX2Model.load_model: `quantize(text_encoder, ...)` right after from_pretrained, on the CPU, then
+    `text_encoder.to(device)`: the bf16 Gemma 3 never reaches the device (the transformer, quantized
+    by quantize_model, waits in host memory meanwhile)."""
+    from fitfinder.models import _pipeline
+    from fitfinder.probe import meter as meters
+
+    meter, where, real = meters.SimMeter(None), {}, _pipeline.quantize
+
+    def recorded(module, qtype, repeated=None, only=None):
+        where[type(module).__name__] = "host" if meter.tracker.paused else "device"  # inside meter.host()
+        return real(module, qtype, repeated, only)
+
+    monkeypatch.setattr(_pipeline, "quantize", recorded)
+    request = probe.request_for(tiny_job("ltx2", {"model.quantize": True, "model.quantize_te": True}), 1, "sim", None)
+    with meter:
+        models.load_pipeline(request["model"], request, meter)
+    assert where == {"LTX2VideoTransformer3DModel": "host", "Gemma3ForConditionalGeneration": "host"}
 
 
 def test_wan22_with_low_vram_holds_one_expert_and_only_while_it_predicts():
@@ -513,7 +799,35 @@ def test_wan22_with_low_vram_holds_one_expert_and_only_while_it_predicts():
     assert probe.resident("train", low, wan22, active="transformer_2") == {"transformer_2", "text_encoder", "vae"}
     assert probe.resident("train", {**low, "low_vram": False}, wan22) == {*wan22.denoisers, "text_encoder", "vae"}
     pipe, _ = _loaded("wan22", {"model.low_vram": True})
-    assert pipe.on_device == {"text_encoder", "vae"}
+    assert pipe.on_device == {"text_encoder"}  # and the VAE to the CPU (BaseSDTrainProcess.run)
+
+
+def _on_the_device(meter, tensors) -> bool:
+    """Whether the sim meter counts every one of these tensors (each storage is live on its device)."""
+    return all(tensor.untyped_storage()._cdata in meter.tracker.live for tensor in tensors)
+
+
+def test_the_lora_stays_on_the_device_wherever_its_model_goes():
+    """BaseSDTrainProcess.run: `network.force_to(device, torch.float32)` once; AI Toolkit's LoRA is a
+    network of its own, so what moves a model later leaves it on the device: Wan 2.2's experts left in
+    host memory under low_vram (DualWanTransformer3DModel), and the latent-caching pass, which holds the
+    VAE alone ('cache_latents' preset)."""
+    import torch
+
+    pipe, meter = _loaded("wan22", {"model.low_vram": True})
+    assert pipe.on_device == {"text_encoder"}
+    lora = {name: pipe.trainable_parameters([name]) for name in pipe.family.denoisers}
+    frozen = {name: [p for p in pipe.parts[name].parameters() if not p.requires_grad] for name in lora}
+    assert all(lora.values()) and {p.dtype for params in lora.values() for p in params} == {torch.float32}
+    assert _on_the_device(meter, lora["transformer"] + lora["transformer_2"])
+    assert not any(_on_the_device(meter, [p]) for params in frozen.values() for p in params)
+    request = probe.request_for(tiny_job("wan22", {"model.low_vram": True}), 1, "sim", None)
+    with meter:
+        pipe.place(probe.resident("train", request, pipe.family, active="transformer"))
+        assert _on_the_device(meter, frozen["transformer"] + lora["transformer_2"])
+        assert not any(_on_the_device(meter, [p]) for p in frozen["transformer_2"])
+        pipe.place(probe.resident("latents", request, pipe.family))  # the caching pass (cache_latents_to_disk)
+        assert pipe.on_device == {"vae"} and _on_the_device(meter, lora["transformer"] + lora["transformer_2"])
 
 
 def test_wan21_i2v_with_low_vram_sends_umt5_and_the_image_encoder_back_until_used():
@@ -521,7 +835,7 @@ def test_wan21_i2v_with_low_vram_sends_umt5_and_the_image_encoder_back_until_use
     get_noise_prediction brings the tower at the first step. Without low_vram no preset moves it."""
     i2v = models.FAMILIES["wan21_i2v"]
     pipe, _ = _loaded("wan21_i2v", {"model.low_vram": True})
-    assert pipe.on_device == {"transformer", "vae"}
+    assert pipe.on_device == {"transformer"}  # the VAE too goes to the CPU (BaseSDTrainProcess.run)
     request = {"low_vram": True, "text_encoder": "keep", "cache_latents": True, "trained": ["transformer"]}
     assert "image_encoder" not in probe.resident("sample", request, i2v)
     assert "image_encoder" in probe.resident("train", request, i2v)

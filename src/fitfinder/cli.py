@@ -343,6 +343,7 @@ def _print_estimate(out, job, found, verdict) -> None:
     from fitfinder.units import format_bytes
 
     out.line(f"estimate of {job.source} ({found.arch_name}), {found.overhead.describe()}")
+    _note_assumptions(out, job)
     budget = found.budget_bytes
     rows = [[name, format_bytes(stats["peak_live"]), format_bytes(stats["peak_allocated"]),
              format_bytes(found.phases[name]), f"{found.phases[name] / budget:.0%}" if budget else ""]
@@ -366,6 +367,24 @@ def _say_tight(out, space, tight, budget_bytes: int, limit_bytes: int, probed: b
     out.line(f"tight: {which}{space.describe(tight.point)} peaks {format_bytes(tight.peak_bytes)}, "
              f"{format_bytes(tight.peak_bytes - limit_bytes)} past the limit; with --margin "
              f"{margin_fitting(tight.peak_bytes, budget_bytes):.2f} or less a search takes it (it may run out)")
+
+
+def _note_assumptions(out, job) -> None:
+    """What the estimate assumes where the job's files are not on this machine."""
+    from fitfinder import models
+    from fitfinder.probe.request import recovery_adapter
+
+    adapter = recovery_adapter(job, models.family_for(job))
+    if adapter is not None and not adapter["read"]:
+        out.note(f"the accuracy-recovery adapter {adapter['path']} is not on this machine: its rank is assumed "
+                 f"to be {adapter['rank']}, on the LoRA's layers (AI Toolkit reads both from the file)")
+    backend = str(job.get("train.attention_backend", None) or "native")
+    if backend != "native":  # BaseSDTrainProcess.run: set_attention_backend on the unet, VAE and encoders
+        out.note(f"train.attention_backend {backend}: estimated with diffusers' native attention (PyTorch's "
+                 "scaled_dot_product_attention); its kernels do not run on the CPU")
+    if job.get("model.compile", None):
+        out.note("model.compile: estimated uncompiled; torch.compile's fusions (and block_compile's) change "
+                 "what a card holds for activations, which fitfinder does not follow")
 
 
 def _estimate_search(job, runner, model, out) -> None:

@@ -69,7 +69,20 @@ KNOB_NAMES = (
 # an accuracy-recovery LoRA, small next to the weights; it is not probed.
 QTYPE_BITS = {"qfloat8": 8, "float8": 8, "qfloat8_e4m3fn": 8, "float8_e4m3fn": 8, "fp8": 8, "qint8": 8, "int8": 8,
               "qint4": 4, "uint4": 4, "int4": 4, "nf4": 4, "fp4": 4,
-              "uint2": 2, "uint3": 3, "uint5": 5, "uint6": 6, "uint7": 7}
+              "uint2": 2, "uint3": 3, "uint5": 5, "uint6": 6, "uint7": 7,
+              # uint8 resolves to AI Toolkit's UIntXQuantizer, whose can_quantize refuses every layer
+              # (toolkit/util/uintx_quant.py): the model stays in its dtype, as the probe leaves it
+              "uint8": 8}
+# AI Toolkit's own quantization backends (toolkit/util/ostris_quant.py get_ostris_quantizer, commit
+# 27a03a91) that fitfinder does not follow yet: qtype -> the backend. Each keeps its own packed state and
+# forward (rotations, codebooks, fp4 blocks, triton kernels on a card); a job naming one is refused.
+UNFOLLOWED_QTYPES = {
+    **{f"orbit{bits}": "OrbitQuant (toolkit/util/orbit_quant.py)" for bits in (2, 3, 4)},
+    **{f"orbitvq{bits}": "OrbitVQ (toolkit/util/orbit_vq_quant.py)" for bits in (2, 3, 4)},
+    **{name: "ConvRot (toolkit/util/convrot_quant.py)" for name in (
+        "convrot4", "convrot8", "convrotbitnet", "convrotcomfyw4a4", *(f"convrotint{b}" for b in range(2, 9)))},
+    "nvfp4": "NVFP4 (toolkit/util/nvfp4_quant.py)",
+}
 # Optimizers the probe builds, by the names AI Toolkit's toolkit/optimizer.py accepts (any case);
 # every name starting with "prodigy" but prodigy8bit is prodigyopt's Prodigy there.
 OPTIMIZERS = ("adafactor", "adam", "adamw", "adam8bit", "adamw8bit", "lion", "lion8bit", "prodigy")
@@ -85,6 +98,17 @@ def optimizer_name(value: Any) -> str | None:
 
 def _qtype_name(value: Any) -> str:
     return str(value).split("|")[0].strip().lower()
+
+
+# network.type values fitfinder follows (AI Toolkit's BaseSDTrainProcess.run: 'locon' and 'lycoris' take
+# LycorisSpecialNetwork; toolkit/lora_special.py: 'lokr' takes LokrModule; 'dora', 'fullrank' and 'lorm'
+# are not followed).
+NETWORK_TYPES = ("lora", "lokr", "locon", "lycoris")
+
+
+def network_type(job: "JobFile") -> str:
+    """AI Toolkit's NetworkConfig.type, lower case ('lora' by default)."""
+    return str(job.get("network.type", None) or "lora").lower()
 
 
 def is_full_fine_tune(job: "JobFile") -> bool:
@@ -277,6 +301,15 @@ class JobFile:
     @property
     def qtype_te(self) -> str:
         return _qtype_name(self.get("model.qtype_te"))
+
+    @property
+    def batch_size(self) -> int:
+        """The batch a step trains: the datasets' own `batch_size`, which overrides train.batch_size
+        (toolkit/data_loader.py get_dataloader_from_datasets, AI Toolkit b96476a8; the checks allow one
+        value across datasets), else train.batch_size."""
+        own = [d.get("batch_size") for d in self.process.get("datasets") or [] if isinstance(d, dict)]
+        own = [value for value in own if value is not None]
+        return int(own[0]) if own else int(self.get("train.batch_size"))
 
     @property
     def lora_rank(self) -> int | None:
@@ -525,8 +558,10 @@ _INTEGERS = {
     "sample.sample_steps": (1, 10_000), "sample.num_frames": FRAMES,
     "sample.sample_every": (1, 100_000_000), "sample.seed": (-(2**63), 2**63 - 1),
     "save.save_every": (1, 100_000_000),
+    "network.lokr_factor": (-1, 1_000_000),  # NetworkConfig: -1 (the default) splits each side most evenly
 }
-_DATASET_INTEGERS = {"num_frames": FRAMES, "bucket_tolerance": (1, 4096), "num_repeats": (1, 1_000_000)}
+_DATASET_INTEGERS = {"num_frames": FRAMES, "bucket_tolerance": (1, 4096), "num_repeats": (1, 1_000_000),
+                     "batch_size": (1, 10_000)}
 _NUMBERS = {  # (low, high, low excluded)
     "network.linear_alpha": (0, 1e6, True), "network.alpha": (0, 1e6, True), "network.conv_alpha": (0, 1e6, True),
     "sample.guidance_scale": (0, 100, False), "train.lr": (0, 10, True),
@@ -538,7 +573,8 @@ _OPTIONAL_TEXTS = ("sample.neg", "trigger_word")  # `neg:` left empty reads as n
 _SWITCHES = ("train.gradient_checkpointing", "train.skip_first_sample", "train.disable_sampling",
              "train.cache_text_embeddings", "train.unload_text_encoder", "model.quantize", "model.quantize_te",
              "model.low_vram", "model.is_flux", "model.is_xl", "model.layer_offloading", "sample.walk_seed",
-             "train.ema_config.use_ema")
+             "train.ema_config.use_ema", "network.lokr_full_rank", "train.diff_output_preservation",
+             "train.blank_prompt_preservation")
 
 
 def _value_problems(job: JobFile) -> list[str]:
@@ -574,6 +610,8 @@ def _value_problems(job: JobFile) -> list[str]:
               f"a number {'above' if open_low else 'from'} {low} {'and at most' if open_low else 'to'} {high}")
     for path in _STRINGS:
         check(path, lambda v: isinstance(v, str) and v.strip() != "", "a text")
+    check("network.type", lambda v: not isinstance(v, str) or v.strip() == "" or v.lower() in NETWORK_TYPES,
+          f"one of {', '.join(NETWORK_TYPES)} (the networks fitfinder probes as AI Toolkit builds them)")
     for path in _OPTIONAL_TEXTS:
         check(path, lambda v: v is None or isinstance(v, str), "a text")
     for path in _SWITCHES:
@@ -600,6 +638,11 @@ def _value_problems(job: JobFile) -> list[str]:
     unused = {"model.qtype": not job.quantize and not job.quantize_te, "model.qtype_te": not job.quantize_te}
     for key in ("model.qtype", "model.qtype_te"):
         if not (unused[key] and job.has(key) and job.get(key) == ""):
+            backend = UNFOLLOWED_QTYPES.get(_qtype_name(job.get(key))) if job.has(key) else None
+            if backend:
+                problems.append(f"{p}{key}: {job.get(key)} is AI Toolkit's {backend} quantization, which fitfinder "
+                                "does not follow yet; probe it with qfloat8, qint8, qint4 or uint2 to uint7")
+                continue
             check(key, _qtype_ok, f"one of {', '.join(QTYPE_BITS)} (optionally followed by |adapter)")
     from fitfinder.models import arch_problem  # no torch there
 
@@ -627,6 +670,11 @@ def _dataset_problems(job: JobFile, check) -> list[str]:
             check(f"datasets[{i}].{key}", lambda v: isinstance(v, bool), "true or false")
         for key in ("folder_path", "caption_ext"):
             check(f"datasets[{i}].{key}", lambda v: isinstance(v, str) and v.strip() != "", "a text")
+    own = sorted({d["batch_size"] for d in datasets if isinstance(d, dict) and d.get("batch_size") is not None},
+                 key=str)
+    if len(own) > 1:
+        problems.append(f"{p}datasets[*].batch_size: these datasets batch by {', '.join(map(str, own))}; fitfinder "
+                        "probes one batch size, so give them the same one (or leave it to train.batch_size)")
     return problems
 
 

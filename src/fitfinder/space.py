@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 
 from fitfinder.errors import ConfigError
 from fitfinder.jobconfig import (AITK_DEFAULTS, FRAMES, PIXELS, RANKS, JobFile, brief, int_in, is_full_fine_tune,
-                                 optimizer_name)
+                                 network_type, optimizer_name)
 
 Point = dict[str, Any]  # knob name -> one of its candidates (a JSON scalar)
 
@@ -85,7 +85,7 @@ class Space:
         self.by_name = {knob.name: knob for knob in knobs}
         self.job = job
         own = getattr(job, "effective_batch", None)  # a trainer's job answers it (trainers/)
-        self.effective_batch = own if own is not None else int(job.get("train.batch_size")) * job.accumulation
+        self.effective_batch = own if own is not None else job.batch_size * job.accumulation
 
     # -- points --------------------------------------------------------------------------
     @property
@@ -303,6 +303,8 @@ MIN_RANK = 4  # below this a LoRA learns little; an override may still ask for l
 def _rank(job: JobFile, override: list | None, video: bool) -> Knob | None:
     if is_full_fine_tune(job):
         return None  # no LoRA: the whole denoiser trains
+    if network_type(job) == "lokr" and job.get("network.lokr_full_rank", True):
+        return None  # NetworkConfig: a full-rank LoKr ignores network.linear (its factors are whole)
     desired = job.lora_rank
     if override is None:
         values = [2**i for i in range(0, 16) if MIN_RANK <= 2**i < desired] + [desired]
@@ -478,7 +480,7 @@ def _apply_text_encoder(job: JobFile, mode: str, space: Space) -> None:
 
 # -- speed: batch, gradient checkpointing, low_vram, layer offloading ----------------------------
 def _batch(job: JobFile, override: list | None, video: bool) -> Knob:
-    desired = int(job.get("train.batch_size"))
+    desired = job.batch_size
     effective = desired * job.accumulation
     divisors = divisors_of(effective)
     if override is not None:
@@ -497,6 +499,9 @@ def divisors_of(n: int) -> list[int]:
 
 def _apply_batch(job: JobFile, batch: int, space: Space) -> None:
     job.set("train.batch_size", batch)
+    for i, own in enumerate(job.get("datasets[*].batch_size")):  # a dataset's own overrides train's
+        if own is not None:
+            job.set(f"datasets[{i}].batch_size", batch)
     _set(job, space.job.accumulation_key, space.effective_batch // batch)
 
 

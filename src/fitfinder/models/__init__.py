@@ -68,7 +68,7 @@ _TO_COME_ARCH_VALUES = {
     **{arch: arch for arch in (
         "ace_step_15", "ace_step_15_xl", "boogu_image", "boogu_image_edit", "chroma_radiance", "ernie_image",
         "f-lite", "hidream_o1", "ideogram4", "krea2", "mageflow", "mageflow_edit", "minimax_h3",
-        "minimax_h3_ref2va", "prx_pixel", "zeta_chroma", "zimage_l2p",
+        "minimax_h3_ref2va", "prx_pixel", "zeta_chroma", "zimage_l2p", "cogview4",
         "sd2", "pixart", "pixart_sigma", "auraflow", "vega", "ssd")},
 }
 # AI Toolkit's ModelConfig flags of those older models (is_v3, is_lumina2, is_xl and is_flux name
@@ -77,6 +77,7 @@ _TO_COME_FLAGS = {"is_v2": "sd2", "is_pixart": "pixart", "is_pixart_sigma": "pix
                   "is_auraflow": "auraflow", "is_vega": "vega", "is_ssd": "ssd"}
 _TO_COME_NAME_HINTS = {
     "omnigen": "omnigen2", "ltx23": "ltx2.3", "ltx25": "ltx2.5",
+    "cogview4": "cogview4",  # toolkit/models/cogview4.py CogView4 (THUDM/CogView4-6B)
 }
 
 # AI Toolkit's `model.arch` values (the part before a ':' such as in 'wan21:14b') -> family.

@@ -38,7 +38,7 @@ def build_part(spec: dict, part: str, dtype: torch.dtype) -> torch.nn.Module:
     return module.eval()
 
 
-def add_adapter(denoiser: torch.nn.Module, lora_config) -> None:
+def add_adapter(denoiser: torch.nn.Module, lora_config, adapter_name: str = "default") -> None:
     """peft's LoRA as `add_adapter` leaves it: added on meta, cast as peft casts it, materialized.
 
     peft moves a new adapter next to its base layer (`Module.to`, which a fake parameter refuses)
@@ -49,7 +49,7 @@ def add_adapter(denoiser: torch.nn.Module, lora_config) -> None:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     with plain_meta():
-        denoiser.add_adapter(lora_config)
+        denoiser.add_adapter(lora_config, adapter_name=adapter_name)
         for layer in denoiser.modules():
             if not isinstance(layer, BaseTunerLayer):
                 continue

@@ -41,6 +41,13 @@ class Placement:
     # host memory, to come back only when a phase wants it.
     quantized_on: str = "device"
     after_load: str = "stays"
+    # Under `model.layer_offloading`: whether the loader attaches its MemoryManager while the part is
+    # still in host memory, before anything moves it onto the device (toolkit/memory_management/
+    # manager.py MemoryManager.attach pins each managed layer's weight in host memory there, and the
+    # `to` it installs moves the unmanaged modules only): "never" (it comes, then its layers leave),
+    # "always", or "if quantized". Such a part's offloaded weights never reach the device; one quantized
+    # on the device has its offloaded layers quantized where they are, in host memory.
+    offloaded_on_host: str = "never"
     # After load. `also_in`: phases it is on the device in beyond what the presets say (a part the
     # presets do not know is in none of them by the presets). `only_in`: phases outside which it is
     # never on the device (None: no limit). `only_when_active`: of several denoisers, on the device
@@ -68,7 +75,9 @@ class Placement:
         leaves = waits or self.after_load == "leaves"
         built_on_host = self.quantized_on == "host" or self.follows is not None
         comes_on = self.follows is None and not (built_on_host and leaves)
-        return Loading(part, built_on_host, comes_on, leaves, waits)
+        offloaded_on_host = self.offloaded_on_host == "always" or (self.offloaded_on_host == "if quantized"
+                                                                    and quantized)
+        return Loading(part, built_on_host, comes_on, leaves, waits, offloaded_on_host)
 
     def on_device_in(self, phase: str, by_the_presets: bool, active: bool, preview_step: str | None) -> bool:
         """Whether the part is on the device in `phase` by its own rules (a part that follows another
@@ -93,6 +102,7 @@ class Loading:
     comes_on: bool  # onto the device once built: whole, to be quantized there, or quantized already
     leaves: bool  # back to host memory once loaded (its layers offloaded first)
     waits: bool  # onto the device again once every later part is loaded
+    offloaded_on_host: bool = False  # layer offloading attached before it comes (Placement.offloaded_on_host)
 
 
 SHARED = Placement()
@@ -162,6 +172,20 @@ class Family:
     # text encoder, with layer_offloading_text_encoder_percent. The loaders of FLUX.1, SDXL, SD3,
     # Chroma, Lumina2 and HiDream I1 (toolkit/stable_diffusion_model.py and theirs) never read it.
     layer_offloading: bool = False
+    # A `model.` key that makes the loader turn model.qtype `qfloat8` into torchao's `float8` when set
+    # (Z-Image's assistant_lora_path, the training adapter: ZImageModel.load_model).
+    float8_with: str | None = None
+    # fnmatch patterns of the denoisers' layers the loader keeps in full precision when it quantizes them
+    # (the model's get_quantization_exclude_modules, which quantize_model and OstrisModelMixin.quantize_
+    # pass to `quantize` as `exclude`; names relative to each denoiser).
+    unquantized_layers: tuple[str, ...] = ()
+    # The loader quantizes the denoiser(s) through toolkit/util/quantize.py quantize_model, which reads
+    # the accuracy-recovery adapter of `qtype: QTYPE|PATH` (FLUX.1's, SDXL's, SD3's loaders quantize
+    # otherwise and drop it).
+    recovery_adapter: bool = False
+    # Parts beyond the text encoders that the loader offloads with the text encoder's percent
+    # (Anima's text conditioner: AnimaModel.load_model attaches it with layer_offloading_text_encoder_percent).
+    offloaded_with_text_encoders: tuple[str, ...] = ()
     # generate_single_image tiles the preview's VAE decode (diffusers' `vae.enable_tiling()`) under
     # low_vram, or when `model.model_kwargs` sets this key (Wan21.use_vae_tiling: "vae_tiling").
     tiled_preview_decode: bool = False
@@ -232,7 +256,8 @@ class Family:
         moved = set(self.low_vram_in_recipe) | (PREVIEWS if self.tiled_preview_decode else set())
         for part in self.parts:
             plain, low = self.placed(part, False), self.placed(part, True)
-            if (plain.quantized_on, plain.after_load) != (low.quantized_on, low.after_load):
+            if (plain.quantized_on, plain.after_load, plain.offloaded_on_host) != \
+                    (low.quantized_on, low.after_load, low.offloaded_on_host):
                 moved.add("load")
             moved |= plain.also_in ^ low.also_in
             if plain.only_in != low.only_in:

@@ -21,9 +21,10 @@ toolkit/config_modules.py ModelConfig), after the part is loaded and quantized:
 - The backward copies the weight again into a second ring of the same depth. The autograd function
   saves the layer's input on the device whatever needs a gradient (a plain frozen linear would not).
 - `MemoryManager.free` (toolkit/unloader.py, cached text embeddings) drops the device's rings.
-- With layer_offloading, ModelConfig turns `qfloat8` into torchao's `float8` (config_modules.py);
-  the probe runs torchao's 8-bit names as quanto's of the same bytes (models._weights.quantize),
-  so nothing changes there.
+- With layer_offloading, ModelConfig turns `qfloat8` into torchao's `float8` (config_modules.py,
+  probe.request.quant_types): an offloaded layer crosses in its 8-bit bytes and is dequantized on the
+  device, whichever library quantized it; a layer left on the device runs torchao's forward
+  (models/_torchao.py).
 
 What the probe does differently: it picks the layers evenly instead of at random (every layer
 where round-down(k * percent) steps up: the same share, the same from run to run, so the estimate
@@ -40,8 +41,9 @@ import os
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-# manager.py's LINEAR_MODULES, without OstrisLinear (see above).
-LINEAR_CLASSES = ("Linear", "LoRACompatibleLinear", "QLinear")
+# manager.py's LINEAR_MODULES, without OstrisLinear (see above); torchao keeps a layer's class Linear,
+# which the probe's torchao layer is not by name (models/_torchao.py).
+LINEAR_CLASSES = ("Linear", "LoRACompatibleLinear", "QLinear", "TorchaoLinear")
 # manager.py's UNMANAGED_MODULES and UNMANAGED_MODULES_INCLUDES: kept on the device with all they hold.
 RESIDENT_CLASSES = ("LayerNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "GroupNorm", "InstanceNorm1d",
                     "InstanceNorm2d", "InstanceNorm3d", "Embedding", "EmbeddingBag", "RNNBase", "LSTM", "GRU",
@@ -100,6 +102,13 @@ def attach(part: torch.nn.Module, percent: float, meter, rings: Rings) -> int:
     """Offload `percent` of the part's layers: their weights to host memory, their forward through
     the rings. Returns how many layers went. Call it before the LoRA is added, as AI Toolkit does."""
     layers = chosen(offloadable(part), percent) if percent > 0 else []
+    attach_layers(part, layers, meter, rings)
+    return len(layers)
+
+
+def attach_layers(part: torch.nn.Module, layers: list, meter, rings: Rings) -> None:
+    """Offload these layers of the part (`attach`'s choice, or its choice made before the layers
+    were quantized in place, as AI Toolkit's attach runs before torchao swaps a managed layer's weight)."""
     for layer in layers:
         for name in ("weight", "bias"):
             param = layer._parameters.get(name)
@@ -117,7 +126,6 @@ def attach(part: torch.nn.Module, percent: float, meter, rings: Rings) -> int:
         layer.offloaded = True
     if layers:
         part.to = _managed_to(part)
-    return len(layers)
 
 
 def _managed_to(part: torch.nn.Module):

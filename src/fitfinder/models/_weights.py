@@ -9,6 +9,7 @@ modules a class keeps in fp32) and shapes, so the same memory.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import importlib
 import json
@@ -148,7 +149,8 @@ def keep_in_fp32(module: torch.nn.Module, dtype: torch.dtype) -> None:
 # -- quantization ---------------------------------------------------------------------------------
 # AI Toolkit's qtype names (toolkit/util/quantize.py, get_qtype; AI Toolkit commit 27a03a91) -> how
 # the probe quantizes: optimum-quanto for its q* types; torchao's float8/int8 weight-only types hold
-# the same bytes (one per weight and a scale per row) and run here as quanto's; AI Toolkit's own
+# the same bytes (one per weight and a scale per row) as quanto's and run torchao's forward
+# (models/_torchao.py TorchaoLinear); AI Toolkit's own
 # grouped uint2..uint7 (toolkit/util/uintx_quant.py) as `GroupedLinear`. quanto's qint4 is quanto's
 # own, in the layout quanto picks (TinyGemm for bf16 layers of whole groups of 128 on CPUs and recent
 # GPUs; `_give_quanto_a_fake_path` lets the estimate follow it). torchao's int4 runs as a grouped layer
@@ -160,7 +162,7 @@ GROUPED_TYPES = {**{f"uint{bits}": (bits, 64, "zero_point") for bits in range(2,
                  "int4": (4, 128, "shift"), "nf4": (4, 64, "zero_point"), "fp4": (4, 64, "zero_point")}
 
 
-def quantize(module: torch.nn.Module, qtype: str, repeated=None) -> int:
+def quantize(module: torch.nn.Module, qtype: str, repeated=None, only=None, exclude=()) -> int:
     """Every nn.Linear quantized as AI Toolkit quantizes it, in place, where its weight lives.
 
     AI Toolkit's `quantize` swaps each Linear for its quantized module and `freeze` then replaces
@@ -169,16 +171,21 @@ def quantize(module: torch.nn.Module, qtype: str, repeated=None) -> int:
     fp32-kept modules stay as they are (Wan casts its timestep to the dtype of its time embedder).
     `repeated` is the meter's (see meters.EstimateMeter.repeated): on fake tensors, a layer of a
     shape already quantized is made by copying that layer's layout instead of running the ops.
+    `only`: the layer names to quantize, of those it would (None: all); `exclude`: fnmatch patterns
+    of layer names it leaves in full precision, as AI Toolkit's `quantize` matches its `exclude`.
     Returns the number of layers quantized.
     """
     base = qtype.split("|")[0].strip().lower()
+    if base == "uint8":  # UIntXQuantizer.can_quantize refuses every layer (toolkit/util/uintx_quant.py)
+        return 0
     kept = (getattr(module, "_keep_in_fp32_modules", None) or []) if _is_diffusers(type(module)) else []
     # AI Toolkit's grouped formats leave a layer whose input is no whole number of groups as it is
     # (UIntXQuantizer.can_quantize).
     group = GROUPED_TYPES[base][1] if base in GROUPED_TYPES else 1
     names = [name for name, child in module.named_modules()
              if type(child) is torch.nn.Linear and not any(k in name.split(".") for k in kept)
-             and child.in_features % group == 0]
+             and child.in_features % group == 0 and (only is None or name in only)
+             and not any(fnmatch.fnmatch(name, pattern) for pattern in exclude)]
     for name in names:
         parent_name, _, child_name = name.rpartition(".")
         parent = module.get_submodule(parent_name)
@@ -200,7 +207,15 @@ def quantize(module: torch.nn.Module, qtype: str, repeated=None) -> int:
     return len(names)
 
 
+# AI Toolkit's torchao names (toolkit/util/quantize.py torchao_qtypes): quanto's bytes, torchao's forward.
+TORCHAO_TYPES = {"float8": "qfloat8", "int8": "qint8"}
+
+
 def _quantized(linear: torch.nn.Linear, base: str) -> torch.nn.Module:
+    if base in TORCHAO_TYPES:
+        from fitfinder.models._torchao import TorchaoLinear  # quanto's import, only where it quantizes
+
+        return _quanto_linear(linear, TORCHAO_TYPES[base], TorchaoLinear)
     if base in QUANTO_TYPES:
         return _quanto_linear(linear, QUANTO_TYPES[base])
     return GroupedLinear.from_linear(linear, *GROUPED_TYPES[base])
@@ -267,8 +282,8 @@ def _empty_like(template, device) -> torch.Tensor:
     return torch.empty_strided(template.shape, template.stride(), dtype=template.dtype, device=device)
 
 
-def _quanto_linear(linear: torch.nn.Linear, qtype_name: str) -> torch.nn.Module:
-    """quanto's QLinear around the layer's weight, frozen (its weight quantized).
+def _quanto_linear(linear: torch.nn.Linear, qtype_name: str, cls: type | None = None) -> torch.nn.Module:
+    """quanto's QLinear (or `cls`, a subclass) around the layer's weight, frozen (its weight quantized).
 
     quanto's `QLinear.from_module` moves the new module with `Module.to`, which fake tensors (the
     estimate's) refuse; the module is made on meta here instead and given the layer's tensors, which
@@ -280,7 +295,7 @@ def _quanto_linear(linear: torch.nn.Linear, qtype_name: str) -> torch.nn.Module:
     _give_quanto_a_fake_path()
     weight = linear.weight
     with plain_meta():
-        layer = QLinear.qcreate(linear, getattr(quanto, qtype_name), device="meta")
+        layer = (cls or QLinear).qcreate(linear, getattr(quanto, qtype_name), device="meta")
     layer.input_scale = torch.ones((), dtype=weight.dtype, device=weight.device)
     layer.output_scale = torch.ones((), dtype=weight.dtype, device=weight.device)
     layer.weight, layer.bias = weight, linear.bias

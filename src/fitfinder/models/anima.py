@@ -37,8 +37,9 @@ class _AnimaFamily(Family):
 # Quantization (AnimaModel.load_model): with model.quantize, the transformer by quantize_model
 # (toolkit/util/quantize.py: a block at a time on the device, back to the CPU) and the text conditioner
 # in host memory, both with model.qtype; with model.quantize_te, Qwen3 on the device with model.qtype_te.
-# Block swap: MemoryManager.attach on the transformer and Qwen3 (and the conditioner, with the text
-# encoder's percent: not modelled, docs/models.md).
+# Block swap: MemoryManager.attach on the transformer (after quantize_model), on Qwen3 and on the
+# conditioner (after it is quantized), those two with the text encoder's percent, each while it is in
+# host memory: before `.to(device)`, and for Qwen3 before `quantize` (offloaded_on_host).
 FAMILY = _AnimaFamily(
     name="anima",
     denoisers=("transformer",),
@@ -51,6 +52,7 @@ FAMILY = _AnimaFamily(
     quantized_text_encoders=("text_encoder",),
     te_qtype_key="qtype_te",
     layer_offloading=True,
+    recovery_adapter=True,  # quantize_model (toolkit/util/quantize.py) reads qtype's adapter
     text_seq_len=512,  # AnimaModel.max_sequence_length (model_kwargs.max_sequence_length, 512)
     tokenizer="tokenizer",
     others=("text_conditioner",),
@@ -62,11 +64,14 @@ FAMILY = _AnimaFamily(
     # then moves the model), Qwen3 goes back to the CPU once loaded and after every encoding
     # (get_prompt_embeds: _offload_text_encoder), and the VAE after every encoding and every preview
     # (encode_images, generate_single_image).
-    placement={"transformer": Placement(quantized_on="host"),
-               "text_conditioner": Placement(follows="transformer")},
-    low_vram={"transformer": Placement(quantized_on="host", after_load="waits"),
-              "text_encoder": Placement(after_load="leaves", only_in=frozenset({"text_encoder"})),
+    placement={"transformer": Placement(quantized_on="host", offloaded_on_host="always"),
+               "text_encoder": Placement(offloaded_on_host="always"),
+               "text_conditioner": Placement(follows="transformer", offloaded_on_host="always")},
+    low_vram={"transformer": Placement(quantized_on="host", after_load="waits", offloaded_on_host="always"),
+              "text_encoder": Placement(after_load="leaves", only_in=frozenset({"text_encoder"}),
+                                        offloaded_on_host="always"),
               "vae": Placement(only_in=frozenset({"latents", "sample", "last_sample"}))},
+    offloaded_with_text_encoders=("text_conditioner",),
 )
 
 # AnimaTextConditioner's target_vocab_size default: the T5 tokenizer's ids it embeds.

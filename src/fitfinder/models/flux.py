@@ -24,6 +24,9 @@ FAMILY = Family(
     name_hints=("flux", "flex1"),
     quantized_text_encoders=("text_encoder_2",),
     text_seq_len=512,  # FluxPipeline's max_sequence_length
+    # load_model (is_flux): the transformer, then T5 (quantized on the device), then CLIP; the VAE, read
+    # before T5, reaches the device last (`pipe.vae.to(self.vae_device_torch)`)
+    load_order=("transformer", "text_encoder_2", "text_encoder", "vae"),
     tokenizer="tokenizer_2",
     # load_model (is_flux): with low_vram the transformer stays in host memory while quanto quantizes
     # it ("for low v ram, we leave it on the cpu"), then moves to the device; T5 still comes in bf16

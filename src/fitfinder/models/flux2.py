@@ -30,6 +30,7 @@ FAMILY = Family(
     name_hints=("flux2", "flux2dev"),
     quantized_text_encoders=("text_encoder",),
     layer_offloading=True,
+    recovery_adapter=True,  # quantize_model (toolkit/util/quantize.py) reads qtype's adapter
     te_qtype_key="qtype",
     text_seq_len=512,  # src/pipeline.py MAX_LENGTH
     tokenizer="tokenizer",  # a diffusers FLUX.2 folder's; its model_max_length may only shorten 512

@@ -26,6 +26,7 @@ FAMILY = Family(
     name_hints=("kontext",),
     quantized_text_encoders=("text_encoder_2",),
     text_seq_len=512,  # get_prompt_embeds: encode_prompts_flux(max_length=512)
+    load_order=flux.FAMILY.load_order,  # FluxKontextModel.load_model: T5 before CLIP, the VAE last
     tokenizer="tokenizer_2",
     # condition_noisy_latents moves the VAE to the device and encodes the control image at every
     # training step, cached latents or not.

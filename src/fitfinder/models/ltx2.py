@@ -13,7 +13,8 @@ from fitfinder.models._family import Family, Placement
 
 # Parts (LTX2Model.load_model): the transformer, quantized with model.qtype (quantize_model), parked on
 # the CPU with low_vram until the first prediction moves it (get_noise_prediction); Gemma 3 with its
-# vision tower set to None, quantized with model.qtype_te, on the device; the connectors, the video VAE,
+# vision tower set to None, quantized with model.qtype_te in host memory (`quantize` right after
+# from_pretrained), then offloaded and moved to the device; the connectors, the video VAE,
 # the audio VAE and the vocoder in the training dtype, unquantized. The connectors run in every
 # prediction on the transformer's device, and a preview moves the whole pipeline to the device
 # (generate_single_image: pipeline.to), where the audio VAE and vocoder stay: all three follow the
@@ -36,6 +37,7 @@ FAMILY = Family(
     frame_step=8,  # generate_single_image: "frames must be divisible by 8 then + 1"
     quantized_text_encoders=("text_encoder",),
     layer_offloading=True,
+    recovery_adapter=True,  # quantize_model (toolkit/util/quantize.py) reads qtype's adapter
     te_qtype_key="qtype_te",  # load_model: quantize(text_encoder, weights=get_qtype(model_config.qtype_te))
     text_seq_len=1024,  # get_prompt_embeds' max_length, and pad_embeds' target: the connectors see 1024 tokens
     tokenizer="tokenizer",
@@ -44,10 +46,12 @@ FAMILY = Family(
     low_vram_in_recipe=frozenset({"latents", "sample", "train", "last_sample"}),
     dropped={"text_encoder": ("model.vision_tower",)},  # load_model: text_encoder.model.vision_tower = None
     # LTX2Model.load_model: the transformer is quantized by quantize_model and left on the CPU while
-    # Gemma 3 comes in bf16 and is quantized on the device; then it comes ("leave it on cpu for now"
-    # with low_vram: BaseSDTrainProcess.run moves the unet to the device right after). The connectors,
-    # audio VAE and vocoder go where it goes.
-    placement={"transformer": Placement(quantized_on="host", after_load="waits"),
+    # Gemma 3 is read into host memory, quantized there and moved to the device; then it comes ("leave
+    # it on cpu for now" with low_vram: BaseSDTrainProcess.run moves the unet to the device right
+    # after). The connectors, audio VAE and vocoder go where it goes. Under layer_offloading both are
+    # attached in host memory, after quantizing and before `.to(device)`.
+    placement={"transformer": Placement(quantized_on="host", after_load="waits", offloaded_on_host="always"),
+               "text_encoder": Placement(quantized_on="host", offloaded_on_host="always"),
                **{part: Placement(follows="transformer") for part in ("connectors", "audio_vae", "vocoder")}},
 )
 

@@ -38,6 +38,7 @@ FAMILY = Family(
     name_hints=("nucleusimage", "nucleusmoeimage"),
     quantized_text_encoders=("text_encoder",),
     te_qtype_key="qtype_te",
+    recovery_adapter=True,  # quantize_model (toolkit/util/quantize.py) reads qtype's adapter
     # get_prompt_embeds: the processor pads to the longest prompt (a multiple of 8) and truncates at
     # max_length=1024; the probe encodes 1024 tokens, the longest prompt a job can have.
     text_seq_len=1024,

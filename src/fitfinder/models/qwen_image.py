@@ -20,7 +20,10 @@ LORA_BLOCKS = r"transformer_blocks\.\d+\..*"
 # QwenImageModel.load_model: the transformer is quantized with model.qtype by quantize_model
 # (toolkit/util/quantize.py: block by block, each moved back to the CPU), then moved to the device
 # unless low_vram; Qwen2.5-VL is moved to the device in bf16 and quantized there with model.qtype_te
-# (`quantize(text_encoder, weights=get_qtype(self.model_config.qtype_te))`), low_vram or not, and stays.
+# (`quantize(text_encoder, weights=get_qtype(self.model_config.qtype_te))`), low_vram or not, and stays
+# (under layer_offloading: attached in host memory first, see PLACEMENT).
+PLACEMENT = {"transformer": Placement(quantized_on="host", after_load="waits", offloaded_on_host="always"),
+             "text_encoder": Placement(offloaded_on_host="always")}
 FAMILY = Family(
     name="qwen_image",
     denoisers=("transformer",),
@@ -31,15 +34,23 @@ FAMILY = Family(
     name_hints=("qwenimage",),
     quantized_text_encoders=("text_encoder",),
     layer_offloading=True,
+    recovery_adapter=True,  # quantize_model (toolkit/util/quantize.py) reads qtype's adapter
     te_qtype_key="qtype_te",
-    text_seq_len=512,  # QwenImagePipeline.__call__'s max_sequence_length
+    # QwenImageModel.get_prompt_embeds calls encode_prompt with its default max_sequence_length, 1024,
+    # and the tokenizer truncates at tokenizer_max_length (1024) past the template: a caption is encoded
+    # at its own length up to 1024 tokens, and the probe encodes the longest (previews' 512 is
+    # QwenImagePipeline.__call__'s, which AI Toolkit's previews do not take: they pass embeddings)
+    text_seq_len=1024,
     tokenizer="tokenizer",
     # load_model: `text_encoder.model.visual = None` unless the model keeps the vision tower (edit models).
     dropped={"text_encoder": ("model.visual",)},
     # QwenImageModel.load_model: the transformer waits in host memory (quantize_model, or not
     # quantized) while Qwen2.5-VL comes in bf16 and is quantized on the device, then comes, low_vram
-    # or not (with it, BaseSDTrainProcess.run moves it).
-    placement={"transformer": Placement(quantized_on="host", after_load="waits")},
+    # or not (with it, BaseSDTrainProcess.run moves it). Under layer_offloading both are attached in
+    # host memory: the transformer after quantize_model, Qwen2.5-VL before `text_encoder.to(device)`
+    # and before `quantize`, so its offloaded layers are quantized on the CPU and only its embeddings
+    # and norms (and the layers left out of the share) come to the device.
+    placement=PLACEMENT,
     # QwenImageModel.generate_single_image tiles the preview's decode under low_vram (and flushes the
     # cache between steps, which frees nothing live); its pipeline moves no part.
     tiled_preview_decode=True,

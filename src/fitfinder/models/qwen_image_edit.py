@@ -23,6 +23,7 @@ FAMILY = Family(
     name_hints=("qwenimageedit",),
     quantized_text_encoders=("text_encoder",),
     layer_offloading=True,
+    recovery_adapter=True,  # quantize_model (toolkit/util/quantize.py) reads qtype's adapter
     te_qtype_key="qtype_te",
     text_seq_len=512,
     tokenizer="tokenizer",

@@ -33,6 +33,7 @@ FAMILY = Family(
     frame_step=4,  # the VAE keeps the first frame and compresses the rest 4x: clips of 4k+1 frames
     quantized_text_encoders=("text_encoder",),
     layer_offloading=True,
+    recovery_adapter=True,  # quantize_model (toolkit/util/quantize.py) reads qtype's adapter
     text_seq_len=512,  # WanPipeline's max_sequence_length
     tokenizer="tokenizer",
     # Wan21.load_wan_transformer: quantize_model leaves a quantized transformer's blocks on the CPU

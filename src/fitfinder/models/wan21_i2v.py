@@ -30,6 +30,7 @@ FAMILY = Family(
     frame_step=4,  # the Wan 2.1 VAE: clips of 4k+1 frames
     quantized_text_encoders=("text_encoder",),
     layer_offloading=True,
+    recovery_adapter=True,  # quantize_model (toolkit/util/quantize.py) reads qtype's adapter
     text_seq_len=512,
     tokenizer="tokenizer",
     others=("image_encoder",),

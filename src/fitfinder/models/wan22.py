@@ -11,6 +11,11 @@ from fitfinder.models import wan21
 from fitfinder.models._family import Family, Placement
 from fitfinder.models.wan21 import Recipe  # noqa: F401  the same computation, per expert
 
+# Wan2214bModel and Wan225bModel.get_quantization_exclude_modules (wan22_14b_model.py, wan22_5b_model.py;
+# AI Toolkit 27a03a91): "the timestep/text conditioning embedders and the final projection feed every
+# downstream modulation; keep them in full precision when quantizing".
+UNQUANTIZED = ("condition_embedder*", "proj_out*")
+
 FAMILY = Family(
     name="wan22",
     denoisers=("transformer", "transformer_2"),
@@ -22,7 +27,9 @@ FAMILY = Family(
     video=True,
     frame_step=4,
     quantized_text_encoders=("text_encoder",),
+    unquantized_layers=UNQUANTIZED,
     layer_offloading=True,
+    recovery_adapter=True,  # quantize_model (toolkit/util/quantize.py) reads qtype's adapter
     text_seq_len=512,
     tokenizer="tokenizer",
     index_defaults={"boundary_ratio": 0.875},  # Wan 2.2 A14B's published value

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from fitfinder.models import wan21
+from fitfinder.models.wan22 import UNQUANTIZED
 from fitfinder.models._family import Family
 
 # Loading, quantization (the transformer and UMT5 with model.qtype) and low_vram placement are
@@ -32,7 +33,9 @@ FAMILY = Family(
     # (scale_factor_temporal 4): clips of 4k+1 frames, the ladder 121 -> 61, 29, 13, 5, 1.
     frame_step=4,
     quantized_text_encoders=("text_encoder",),
+    unquantized_layers=UNQUANTIZED,  # Wan225bModel.get_quantization_exclude_modules
     layer_offloading=True,
+    recovery_adapter=True,  # quantize_model (toolkit/util/quantize.py) reads qtype's adapter
     text_seq_len=512,
     tokenizer="tokenizer",
     placement=wan21.FAMILY.placement,  # Wan225bModel.load_model is Wan21.load_model

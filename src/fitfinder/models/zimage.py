@@ -27,14 +27,24 @@ FAMILY = Family(
     arch_values=("zimage",),
     name_hints=("zimage",),
     quantized_text_encoders=("text_encoder",),
+    # toolkit/models/v2/z_image.py ZImageTransformer2DModel.get_quantization_exclude_modules: "sensitive
+    # modules kept in full precision" (the timestep, caption and latent embedders, the final layers),
+    # excluded from OstrisModelMixin.quantize_'s pass over what the "layers" blocks leave
+    # ZImageModel.load_model: with a training adapter (merged into the weights), qfloat8 is torchao's float8
+    float8_with="model.assistant_lora_path",
+    unquantized_layers=("t_embedder*", "cap_embedder*", "all_x_embedder*", "all_final_layer*", "siglip_embedder*"),
     layer_offloading=True,
+    recovery_adapter=True,  # quantize_model (toolkit/util/quantize.py) reads qtype's adapter
     te_qtype_key="qtype_te",
     text_seq_len=512,  # ZImagePipeline.encode_prompt's max_sequence_length
     tokenizer="tokenizer",
     # ZImageModel.load_model: the transformer is loaded in host memory (quantized there a block at a
     # time, OstrisModelMixin.quantize_) and waits there while Qwen3 comes in bf16 and is quantized on
-    # the device, then comes, low_vram or not (with it, BaseSDTrainProcess.run moves it).
-    placement={"transformer": Placement(quantized_on="host", after_load="waits")},
+    # the device, then comes, low_vram or not (with it, BaseSDTrainProcess.run moves it). Under
+    # layer_offloading both are attached in host memory, Qwen3 before `text_encoder.to(device)` and
+    # before `quantize`, as Qwen-Image's loader does (qwen_image.PLACEMENT).
+    placement={"transformer": Placement(quantized_on="host", after_load="waits", offloaded_on_host="always"),
+               "text_encoder": Placement(offloaded_on_host="always")},
 )
 
 

@@ -44,7 +44,8 @@ def as_estimate(request: ProbeRequest, overhead: GpuOverhead) -> ProbeRequest:
     """A probe request as the estimate runs it: the estimate meter, one primed step, one denoising step."""
     estimate = {key: value for key, value in request.items() if key not in ("fault", "trainer_run", "trainer_job")}
     estimate.update(meter="estimate", steps=1, prime_optimizer=True, overhead=overhead.as_dict(),
-                    sample={**request["sample"], "steps": 1})
+                    sample={**request["sample"], "steps": 1},
+                    **({"first_sample": {**request["first_sample"], "steps": 1}} if "first_sample" in request else {}))
     return estimate
 
 

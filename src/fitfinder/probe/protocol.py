@@ -63,6 +63,7 @@ class ProbeRequest(TypedDict):
     dtype: str
     quantize: Optional[int]  # bits of the base model's weights, None: not quantized
     quant_type: str  # AI Toolkit's qtype name (see models._weights.quantize)
+    recovery_adapter: NotRequired[Optional[dict[str, Any]]]  # qtype's accuracy-recovery adapter: rank, layers, read
     quantize_te: Optional[int]
     quant_type_te: str
     low_vram: bool
@@ -80,13 +81,18 @@ class ProbeRequest(TypedDict):
     lora_ignore: NotRequired[list[str]]  # a LoRA's network_kwargs.ignore_if_contains: layers it leaves out
     conv_rank: NotRequired[Optional[int]]  # network.conv: the rank of the LoRA on larger convolutions (UNets)
     conv_alpha: NotRequired[Optional[float]]
+    network_type: NotRequired[str]  # lora (default), lokr or locon: how the LoRA is built (models._pipeline)
+    lokr_factor: NotRequired[int]  # network.lokr_factor: a LoKr's factor (-1: most even)
     optimizer: str
     optimizer_params: dict[str, Any]
     ema_decay: Optional[float]  # None without EMA
+    preservation: NotRequired[bool]  # diff_output_ or blank_prompt_preservation: a prior and a second prediction
+    validation: NotRequired[dict[str, int]]  # train.validation_config: resolution and batch (the sigmas)
     lr: float
     trained: list[str]  # the denoisers that get a LoRA, or train whole
     switch_every: int  # two-expert models
     sample: SampleSettings
+    first_sample: NotRequired[SampleSettings]  # `first_sample:`'s own preview before training
     preview_holds_gradients: bool
     steps: int
     meter: Meter

@@ -128,16 +128,22 @@ def _recipe(request: dict, meter, result: dict) -> None:
         prompts = _encode_text(pipe, request)
     # The captions' embeddings wait on the host until the steps that use them, as a trainer keeps
     # cached embeddings (or encodes each batch when its step comes); the sample prompts stay.
-    prompts["train"] = {key: meter.to_host(value) for key, value in prompts["train"].items()}
+    held = [kind for kind in ("train", "preservation", "validation") if kind in prompts]
+    for kind in held:
+        prompts[kind] = {key: meter.to_host(value) for key, value in prompts[kind].items()}
     with _phase("latents", pipe, request):
         _encode_latents(pipe, request)
-    if sample["first"]:
+    first = [settings for settings in (request.get("first_sample"), sample if sample["first"] else None) if settings]
+    if first:
         with _phase("sample", pipe, request), _ema_weights(ema):
-            _sample(pipe, request, prompts)
+            for settings in first:  # `first_sample:`'s preview, then the baseline one
+                _sample(pipe, request, prompts, settings)
     with _phase("train", pipe, request):
-        prompts["train"] = {key: meter.to_device(value) for key, value in prompts["train"].items()}
+        for kind in held:
+            prompts[kind] = {key: meter.to_device(value) for key, value in prompts[kind].items()}
         optimizer = _train(pipe, request, prompts, result, ema)
-    del prompts["train"]  # and end with the training steps
+    for kind in held:  # and end with the training steps
+        del prompts[kind]
     if sample["last"]:
         # A preview during training: the optimizer's state is still held, as in a run that
         # samples every N steps.
@@ -236,7 +242,11 @@ def _encode_text(pipe, request: dict) -> dict:
         batch = request["trainer"].get("text_batch", 1)  # the trainer's caching pass takes its own batch
     with torch.no_grad(), _autocast(pipe, request):
         prompts = {"train": pipe.recipe.encode_prompts(encoders, batch)}
-        if request["sample"]["first"] or request["sample"]["last"]:
+        if request.get("preservation"):  # the class or blank prompt, expanded to the batch
+            prompts["preservation"] = pipe.recipe.encode_prompts(encoders, batch)
+        if request.get("validation"):  # setup_validation: each item's prompt, one at a time
+            prompts["validation"] = pipe.recipe.encode_prompts(encoders, 1)
+        if request["sample"]["first"] or request["sample"]["last"] or request.get("first_sample"):
             prompts["sample"] = pipe.recipe.encode_prompts(encoders, 1)
             prompts["negative"] = pipe.recipe.encode_prompts(encoders, 1)
     del encoders
@@ -278,17 +288,18 @@ def _gradients_held(pipe, request: dict):
             param.grad = None
 
 
-def _sample(pipe, request: dict, prompts: dict) -> None:
-    """A preview as AI Toolkit renders one: denoising steps with guidance, then the VAE decode."""
-    _denoise_and_decode(pipe, request, prompts)
+def _sample(pipe, request: dict, prompts: dict, settings: dict | None = None) -> None:
+    """A preview as AI Toolkit renders one: denoising steps with guidance, then the VAE decode
+    (`settings`: request["sample"] unless given)."""
+    _denoise_and_decode(pipe, request, prompts, settings or request["sample"])
 
 
-def _denoise_and_decode(pipe, request: dict, prompts: dict) -> None:
+def _denoise_and_decode(pipe, request: dict, prompts: dict, settings: dict) -> None:
     """The phase brought every part (the 'generate' preset); a preview pipeline may then move parts
     off for the denoising loop and for the decode (Placement.in_previews: Wan's under low_vram)."""
     import torch
 
-    settings, recipe = request["sample"], pipe.recipe
+    recipe = pipe.recipe
     height, width = _accepted_size(pipe, settings["height"]), _accepted_size(pipe, settings["width"])
     for name in pipe.family.denoisers:
         pipe.parts[name].eval()
@@ -381,6 +392,8 @@ def _train(pipe, request: dict, prompts: dict, result: dict, ema=None):
         timings.append(pipe.meter.step_clock() - start)
         walls.append(time.perf_counter() - wall_start)
         result["steps_run"] = step + 1
+    if request.get("validation"):  # validate() runs between steps, with the optimizer's state held
+        _validate(pipe, request, prompts, trained[0])
     result["step_seconds"] = [round(t, 5) for t in timings]
     result["step_wall_seconds"] = [round(t, 5) for t in walls]
     result["seconds_per_step"], result["timing_noise"] = step_timing(schedule, timings)
@@ -399,9 +412,15 @@ def _training_step(pipe, request: dict, prompts: dict, expert: str, resolution: 
     noise = recipe.inputs.randn(latents.shape)
     t = recipe.inputs.timesteps(latents.shape[0])
     noisy, target = recipe.noisy_and_target(latents, noise, t)
+    prior = _prior_prediction(pipe, request, prompts, expert, noisy, t)
     with _autocast(pipe, request):
         prediction = recipe.predict(pipe.parts[expert], noisy, t, prompts["train"])
     loss = F.mse_loss(prediction.float(), target.float()) / accumulation
+    if prior is not None:
+        # the preservation prediction, with gradients, held with the first one until the backward
+        kept = recipe.predict(pipe.parts[expert], noisy, t, prompts["preservation"])
+        loss = loss + F.mse_loss(kept, prior) / accumulation
+        del kept, prior
     loss.backward()
     del latents, noise, noisy, target, prediction, loss
 
@@ -416,6 +435,48 @@ def _autocast(pipe, request: dict):
         return contextlib.nullcontext()
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     return torch.autocast(device_type=pipe.meter.device.type, dtype=compute)
+
+
+def _prior_prediction(pipe, request: dict, prompts: dict, expert: str, noisy, t):
+    """train.diff_output_preservation / blank_prompt_preservation (SDTrainer.train_single_accumulation,
+    get_prior_prediction; AI Toolkit commit 27a03a91): before the step's prediction, one without
+    gradients, the network off and the model in eval mode, on the class (or blank) prompt; its output
+    stays for the preservation loss. None without preservation."""
+    if not request.get("preservation"):
+        return None
+    import torch
+
+    denoiser = pipe.parts[expert]
+    denoiser.eval()
+    try:
+        with torch.no_grad(), pipe.lora_off(expert):
+            return pipe.recipe.predict(denoiser, noisy, t, prompts["preservation"]).detach()
+    finally:
+        denoiser.train()
+
+
+def _validate(pipe, request: dict, prompts: dict, expert: str) -> None:
+    """BaseSDTrainProcess.validate (AI Toolkit commit 27a03a91): one validation image's cached latents
+    and prompt, repeated once per sigma into one batch, noised and predicted without gradients, the
+    model in eval mode and the network on; its loss in fp32."""
+    import torch
+    import torch.nn.functional as F
+
+    settings, recipe = request["validation"], pipe.recipe
+    side, batch = _accepted_size(pipe, settings["resolution"]), settings["batch"]
+    denoiser = pipe.parts[expert]
+    denoiser.eval()
+    try:
+        with torch.no_grad():
+            latents = recipe.inputs.randn(recipe.latent_shape(side, side, 1, batch))
+            noise = recipe.inputs.randn(latents.shape)
+            t = recipe.inputs.timesteps(batch)
+            noisy, target = recipe.noisy_and_target(latents, noise, t)
+            cond = {key: torch.cat([value] * batch) for key, value in prompts["validation"].items()}
+            loss = F.mse_loss(recipe.predict(denoiser, noisy, t, cond).float(), target.float())
+            del latents, noise, noisy, target, cond, loss
+    finally:
+        denoiser.train()
 
 
 def step_timing(schedule: list[tuple[int, int]], timings: list[float]) -> tuple[float, float]:
@@ -461,14 +522,19 @@ def _prime_optimizer(pipe, request: dict, optimizer, keep_gradients: bool) -> No
     if keep_gradients:
         for param in _reached_by_the_loss(pipe, trained[0]):
             param.grad = torch.zeros_like(param)
+    # An accuracy-recovery adapter's gradients live from a run's first backward on (no optimizer clears them).
+    for name in trained:
+        for param in _reached_by_the_loss(pipe, name, pipe.recovery_parameters([name])):
+            param.grad = torch.zeros_like(param)
     pipe.meter.register(optimizer)
 
 
-def _reached_by_the_loss(pipe, name: str) -> list:
-    """The trainable parameters a training step gives a gradient: all but those the recipe names in
-    `without_gradient(denoiser)` (Qwen-Image's last block's text stream, whose output nothing reads);
-    an optimizer makes no state for a parameter without a gradient, so priming must not either."""
-    params = pipe.trainable_parameters([name])
+def _reached_by_the_loss(pipe, name: str, params: list | None = None) -> list:
+    """The trainable parameters (or `params`) a training step gives a gradient: all but those the
+    recipe names in `without_gradient(denoiser)` (Qwen-Image's last block's text stream, whose output
+    nothing reads); an optimizer makes no state for a parameter without a gradient, so priming must not
+    either."""
+    params = pipe.trainable_parameters([name]) if params is None else params
     unreached = getattr(pipe.recipe, "without_gradient", None)
     if unreached is None:
         return params
@@ -495,9 +561,11 @@ def _training_latents(pipe, request: dict, side: int, frames: int, heaviest: boo
 def _optimizer(request: dict, pipe, trained: list[str]):
     """The job's optimizer as AI Toolkit builds it (see optimizers.py), over the trained parameters."""
     from fitfinder import optimizers  # torch: only in the child, never where a request is built
+    from fitfinder.models._lokr import STARTS_AT_ZERO
 
+    # peft's B starts at zero, and a LoKr's larger factor (or its second half)
     zero_at_start = [param for name in trained for param_name, param in pipe.parts[name].named_parameters()
-                     if param.requires_grad and ".lora_B." in param_name]  # peft's B starts at zero
+                     if param.requires_grad and (".lora_B." in param_name or param_name.endswith(STARTS_AT_ZERO))]
     return optimizers.build(request["optimizer"], pipe.trainable_parameters(trained), request["lr"],
                             request.get("optimizer_params"), zero_at_start)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fitfinder import jobconfig, models
+from fitfinder.errors import UserError
 from fitfinder.probe import trainer_command
 from fitfinder.probe.protocol import ProbeRequest, SampleSettings
 
@@ -31,16 +32,14 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
                                  fault=fault, sample_steps=SAMPLE_STEPS)
     spec = spec or models.model_spec(job)
     family = models.FAMILIES[spec["family"]]
-    qtype = job.qtype
+    qtype, qtype_te = quant_types(job, family)
     bits = jobconfig.qtype_bits(qtype)[0] if job.quantize else None  # a blank qtype is unused (jobconfig)
-    # Which key gives the text encoders' qtype is the family's (models.Family.te_qtype_key): Flux
-    # and Wan quantize T5/UMT5 with model.qtype, Qwen-Image and Z-Image read qtype_te.
-    qtype_te = job.qtype_te if family.te_qtype_key == "qtype_te" else qtype
     bits_te = jobconfig.qtype_bits(qtype_te)[0] if job.quantize_te else None
     return {
         "model": spec,
         "dtype": jobconfig.DTYPES[str(job.get("train.dtype")).lower()],
         "quantize": bits, "quant_type": qtype,
+        "recovery_adapter": recovery_adapter(job, family),
         "quantize_te": bits_te, "quant_type_te": qtype_te,
         "low_vram": bool(job.get("model.low_vram")),
         "tiled_preview_decode": family.tiles_preview_decode(job),
@@ -48,17 +47,20 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
         "text_encoder": job.text_encoder_mode,
         "cache_latents": job.latents_cached,
         "shapes": _shapes(job, family.video),
-        "batch_size": int(job.get("train.batch_size")),
+        "batch_size": job.batch_size,
         "accumulation": job.accumulation,
         "gradient_checkpointing": bool(job.get("train.gradient_checkpointing")),
-        **_trained_weights(job),
+        **_trained_weights(job, family),
         "optimizer": jobconfig.optimizer_name(job.get("train.optimizer")),
         "optimizer_params": json.loads(json.dumps(job.get("train.optimizer_params", None) or {})),
         "ema_decay": _ema_decay(job),
+        "preservation": _preservation(job),
+        **_validation(job),
         "lr": float(job.get("train.lr")),
         "trained": family.trained_denoisers(job),
         "switch_every": int(job.get("train.switch_boundary_every")),
         "sample": _sample_settings(job, family.video),
+        **_first_sample(job, family.video),
         # AI Toolkit counts a step per micro-batch with gradient_accumulation_steps and samples on
         # that count (BaseSDTrainProcess.run), so a preview can land while gradients accumulate.
         "preview_holds_gradients": int(job.get("train.gradient_accumulation_steps")) > 1,
@@ -70,6 +72,24 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
         **({"fault": fault} if fault else {}),
         **trainer_command.request_fields(job),  # the user's trainer runs it, when the job names one
     }
+
+
+def quant_types(job, family) -> tuple[str, str]:
+    """The base model's and the text encoders' qtype names as AI Toolkit's loaders quantize with them.
+
+    Which key gives the text encoders' is the family's (models.Family.te_qtype_key): Flux and Wan
+    quantize T5/UMT5 with model.qtype, Qwen-Image and Z-Image read qtype_te. ModelConfig turns a qtype
+    of exactly `qfloat8` into torchao's `float8` under model.layer_offloading, whatever the family
+    (toolkit/config_modules.py, before it splits an adapter off at '|'), and Z-Image's loader turns
+    model.qtype's with a training adapter (Family.float8_with; AI Toolkit commit 27a03a91)."""
+    offloading = job.get("model.layer_offloading", None)
+    offloading = bool(job.get("model.auto_memory", False) if offloading is None else offloading)
+
+    with_adapter = bool(family.float8_with and job.get(family.float8_with, None))
+    qtype = "float8" if (offloading or with_adapter) and str(job.get("model.qtype")) == "qfloat8" else job.qtype
+    if family.te_qtype_key != "qtype_te":
+        return qtype, qtype
+    return qtype, "float8" if offloading and str(job.get("model.qtype_te")) == "qfloat8" else job.qtype_te
 
 
 # How a probe is run, not what it trains: the same job on another card, meter or machine puts the
@@ -93,6 +113,57 @@ def recipe_digest() -> str:
     return digest.hexdigest()[:16]
 
 
+# The rank fitfinder assumes for an accuracy-recovery adapter whose file is not on this machine (the
+# adapters' own README calls 16 the sweet spot for Qwen-Image at 3 bits; AI Toolkit reads it from the file).
+RECOVERY_RANK_ASSUMED = 16
+
+
+def recovery_adapter(job, family) -> dict | None:
+    """The accuracy-recovery adapter of `model.qtype: QTYPE|PATH` (or model.accuracy_recovery_adapter),
+    as toolkit/util/quantize.py `quantize_model` loads it (AI Toolkit commit 27a03a91): None without one,
+    or for a family whose loader quantizes otherwise (Family.recovery_adapter).
+
+    quantize_model builds a LoRA from the file: its rank is the first `lora_A` weight's rows, alpha the
+    rank, its layers the keys' prefixes (`key.split(".lora_")[0]`). The file is read here when it is on
+    this machine (a local path, or the Hugging Face cache; its safetensors header only, no weights);
+    otherwise the rank is RECOVERY_RANK_ASSUMED on the LoRA's own layers, and "read" says so."""
+    path = str(job.get("model.qtype", "")).partition("|")[2].strip() or job.get("model.accuracy_recovery_adapter", None)
+    if not (path and job.quantize and family.recovery_adapter):
+        return None
+    header = _safetensors_header(path)
+    rank = next((int(entry["shape"][0]) for key, entry in (header or {}).items() if "lora_A" in key), None)
+    if rank is None:
+        return {"rank": RECOVERY_RANK_ASSUMED, "layers": None, "read": False, "path": path}
+    layers = sorted({re.sub(r"^(transformer|diffusion_model|unet)\.", "", key.split(".lora_")[0])
+                     for key in header if ".lora_" in key})
+    return {"rank": rank, "layers": layers, "read": True, "path": path}
+
+
+def _safetensors_header(path: str) -> dict | None:
+    """The tensor table of a safetensors file (8 bytes of header length, then JSON), found as AI Toolkit
+    finds it (a local file, or 'user/repo/file.safetensors' on the hub, here from the local cache only);
+    None when it is not on this machine or not readable."""
+    local = Path(path)
+    if not local.is_file():
+        parts = path.split("/")
+        if len(parts) != 3:
+            return None
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(f"{parts[0]}/{parts[1]}", parts[2])
+        if not isinstance(cached, str):
+            return None
+        local = Path(cached)
+    try:
+        with open(local, "rb") as file:
+            size = int.from_bytes(file.read(8), "little")
+            table = json.loads(file.read(size))
+    except (OSError, ValueError):
+        return None
+    table.pop("__metadata__", None)
+    return table
+
+
 def layer_offloading(job, family) -> dict[str, float]:
     """The share of layers offloaded per kind of part, {"denoiser": p, "text_encoder": p} (0: none).
 
@@ -109,21 +180,74 @@ def layer_offloading(job, family) -> dict[str, float]:
             "text_encoder": float(job.get("model.layer_offloading_text_encoder_percent", 1.0))}
 
 
-def _trained_weights(job) -> dict[str, Any]:
-    """A LoRA's rank and alpha; or, without `network` (a full fine-tune), rank None and the
-    parameter name filters AI Toolkit applies to the denoiser (model.only_if_contains and
-    ignore_if_contains, matched as substrings of "transformer.NAME" / "unet.NAME")."""
+# NetworkConfig (toolkit/config_modules.py): lokr_full_rank, true by default, sets linear,
+# linear_alpha, conv and conv_alpha to this for a LoKr.
+LOKR_FULL_RANK = 9999999999
+
+
+def _trained_weights(job, family) -> dict[str, Any]:
+    """A LoRA's rank and alpha, and its kind (`network_type`: lora, lokr, or locon, which AI Toolkit
+    also calls lycoris); or, without `network` (a full fine-tune), rank None and the parameter name
+    filters AI Toolkit applies to the denoiser (model.only_if_contains and ignore_if_contains,
+    matched as substrings of "transformer.NAME" / "unet.NAME")."""
     if jobconfig.is_full_fine_tune(job):
         return {"rank": None, "alpha": None,
                 "only_if_contains": list(job.get("model.only_if_contains", None) or []),
                 "ignore_if_contains": list(job.get("model.ignore_if_contains", None) or [])}
+    kind = jobconfig.network_type(job)
+    kind = "locon" if kind == "lycoris" else kind
+    if kind == "locon" and not family.lora_convs:
+        raise UserError(f"{job.source}: config.process[0].network.type: {job.get('network.type')}: AI Toolkit's "
+                        "LyCORIS network (toolkit/lycoris_special.py) wraps UNet blocks only and finds no layer "
+                        f"to train in {family.name}; use type: lora or lokr")
     conv = job.get("network.conv", None)
-    return {"rank": job.lora_rank, "alpha": job.lora_alpha,
+    rank, alpha = job.lora_rank, job.lora_alpha
+    conv_alpha = float(job.get("network.conv_alpha", None) or conv) if conv else None
+    if kind == "lokr" and job.get("network.lokr_full_rank", True):
+        rank = alpha = conv = conv_alpha = LOKR_FULL_RANK
+    return {"rank": rank, "alpha": alpha, "network_type": kind,
             # AI Toolkit's LoRA leaves out the layers whose names hold one of these (lora_special.py)
             "lora_ignore": [str(word) for word in job.get("network.network_kwargs.ignore_if_contains", None) or []],
             # NetworkConfig: `conv` (None: no LoRA on the larger convolutions), `conv_alpha` defaulting to it
             "conv_rank": int(conv) if conv else None,
-            "conv_alpha": float(job.get("network.conv_alpha", None) or conv) if conv else None}
+            "conv_alpha": conv_alpha,
+            **({"lokr_factor": int(job.get("network.lokr_factor", -1))} if kind == "lokr" else {})}
+
+
+def _preservation(job) -> bool:
+    """train.diff_output_preservation or blank_prompt_preservation: each training step adds a prior
+    prediction and a preservation prediction (SDTrainer.train_single_accumulation). AI Toolkit refuses
+    both at once (toolkit/config_modules.py validate_configs), either without a network, and the first
+    without a trigger word (SDTrainer.__init__); so does fitfinder, in one line each."""
+    where = f"{job.source}: config.process[0].train"
+    dop, blank = bool(job.get("train.diff_output_preservation", False)), bool(
+        job.get("train.blank_prompt_preservation", False))
+    if dop and blank:
+        raise UserError(f"{where}: AI Toolkit refuses diff_output_preservation and blank_prompt_preservation "
+                        "together; keep one of them")
+    if (dop or blank) and jobconfig.is_full_fine_tune(job):
+        raise UserError(f"{where}: AI Toolkit's output preservation needs a network (a LoRA); add `network`")
+    triggers = [job.get("trigger_word", None), *(dataset.get("trigger_word") for dataset in job.process["datasets"])]
+    if dop and not any(trigger is not None for trigger in triggers):
+        raise UserError(f"{where}.diff_output_preservation: AI Toolkit requires a trigger_word with it; set "
+                        "config.process[0].trigger_word")
+    return dop or blank
+
+
+def _validation(job) -> dict:
+    """train.validation_config (toolkit/config_modules.py ValidationConfig; BaseSDTrainProcess
+    setup_validation, validate): every validate_every_n_steps, each validation image's cached latents
+    at `resolution` (512) with every one of validation_sigmas (four) as one batch, predicted without
+    gradients, the network on. AI Toolkit skips items without an image_path; the probe validates a
+    square image at the resolution. {} without validation."""
+    config = job.get("train.validation_config", None)
+    if not isinstance(config, dict):
+        return {}
+    items = [item for item in config.get("validation_items") or [] if isinstance(item, dict) and item.get("image_path")]
+    if not items:
+        return {}
+    sigmas = config.get("validation_sigmas") or [1.0, 0.75, 0.5, 0.25]
+    return {"validation": {"resolution": int(config.get("resolution", 512)), "batch": len(sigmas)}}
 
 
 def _ema_decay(job) -> float | None:
@@ -152,13 +276,32 @@ def _sample_settings(job, video: bool) -> SampleSettings:
             "guidance_scale": float(job.get("sample.guidance_scale"))}
 
 
-def _preview_size(job) -> tuple[int, int]:
-    """The largest preview (by pixels): sample.width x height, each of sample.samples' own
-    width/height, and a prompt's `--w`/`--h` flags (AI Toolkit's SampleConfig and
+# toolkit/config_modules.py SampleConfig's defaults, for a `first_sample:` section that leaves a key out.
+SAMPLE_CONFIG_DEFAULTS = {"width": 512, "height": 512, "num_frames": 1, "sample_steps": 20, "guidance_scale": 7}
+
+
+def _first_sample(job, video: bool) -> dict:
+    """`first_sample:` (BaseSDTrainProcess: its own SampleConfig, made from that section alone): a
+    preview before training from it, skip_first_sample or not (only disable_sampling stops it), then
+    the baseline preview unless skipped; both are the probe's first preview phase. {} without it."""
+    section = job.get("first_sample", None)
+    if not isinstance(section, dict) or job.get("train.disable_sampling"):
+        return {}
+    read = {key: section.get(key, default) for key, default in SAMPLE_CONFIG_DEFAULTS.items()}
+    width, height = _preview_size(job, "first_sample", (int(read["width"]), int(read["height"])))
+    return {"first_sample": {"first": True, "last": False, "width": width, "height": height,
+                             "frames": int(read["num_frames"]) if video else 1,
+                             "steps": min(SAMPLE_STEPS, int(read["sample_steps"])),
+                             "guidance_scale": float(read["guidance_scale"])}}
+
+
+def _preview_size(job, section: str = "sample", default: tuple[int, int] | None = None) -> tuple[int, int]:
+    """The largest preview (by pixels): sample.width x height (or `default`), each of the section's
+    samples' own width/height, and a prompt's `--w`/`--h` flags (AI Toolkit's SampleConfig and
     GenerateImageConfig read them per prompt, commit 27a03a91)."""
-    default = (int(job.get("sample.width")), int(job.get("sample.height")))
+    default = default or (int(job.get("sample.width")), int(job.get("sample.height")))
     sizes = [default]
-    for item in (job.get("sample.samples", None) or []) + (job.get("sample.prompts", None) or []):
+    for item in (job.get(f"{section}.samples", None) or []) + (job.get(f"{section}.prompts", None) or []):
         if isinstance(item, dict):
             sizes.append((int(item.get("width", default[0])), int(item.get("height", default[1]))))
             item = item.get("prompt", "")
