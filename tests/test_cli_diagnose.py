@@ -76,7 +76,7 @@ def test_o_writes_the_changed_job_and_leaves_the_input_alone(folder):
     assert len(before_lines) == len(after_lines)
     changed = [(a, b) for a, b in zip(before_lines, after_lines) if a != b]
     assert changed == [("        gradient_checkpointing: false   # off: faster",
-                        "        gradient_checkpointing: true    # off: faster")]
+                        "        gradient_checkpointing: true    # fitfinder: was false (off: faster)")]
     assert not [p for p in folder.iterdir() if p.name.startswith(".fixed.yaml")]  # no temporary file left
 
 

@@ -231,7 +231,9 @@ HOSTILE = {
     "long": "$(touch pwned)" * 400,
 }
 # Where each field of the job lands in kohya's files (and so where an injection would try).
-FIELDS = ("config.name", "model.name_or_path", "network.type", "trigger_word", "training_folder",
+# network.type is not among them: the job's validation refuses any type but lora, lokr, locon and
+# lycoris before an export is written (test_lokr).
+FIELDS = ("config.name", "model.name_or_path", "trigger_word", "training_folder",
           "datasets[0].folder_path", "datasets[0].caption_ext", "sample.prompts", "sample.neg")
 STUB = "#!/bin/sh\nfor a in \"$@\"; do printf '%s\\n' \"$a\"; done >> \"$STUB_LOG\"\necho --- >> \"$STUB_LOG\"\n"
 

@@ -496,7 +496,7 @@ def test_torchao_8_bit_layers_keep_their_weight_in_the_models_dtype_for_the_back
     import torch
 
     from fitfinder.models._weights import quantize
-    from fitfinder.probe.meter import StorageTracker
+    from fitfinder.probe.meters import StorageTracker
 
     x = torch.randn(4, 64, 256, dtype=torch.bfloat16, requires_grad=True)
     held = {}
@@ -554,7 +554,7 @@ def test_flux_brings_t5_to_the_device_before_clip_and_the_vae_last():
     the VAE reaches the device at the end of load_model, and BaseSDTrainProcess.run sends it back."""
     import torch
 
-    from fitfinder.probe import meter as meters
+    from fitfinder.probe import meters
 
     request = probe.request_for(tiny_job("flux", {"model.quantize": True}), 1, "sim", None)
     meter, arrived = meters.SimMeter(None), []
@@ -773,13 +773,13 @@ def test_ltx2_quantizes_gemma_3_in_host_memory(monkeypatch):
     `text_encoder.to(device)`: the bf16 Gemma 3 never reaches the device (the transformer, quantized
     by quantize_model, waits in host memory meanwhile)."""
     from fitfinder.models import _pipeline
-    from fitfinder.probe import meter as meters
+    from fitfinder.probe import meters
 
     meter, where, real = meters.SimMeter(None), {}, _pipeline.quantize
 
-    def recorded(module, qtype, repeated=None, only=None):
+    def recorded(module, qtype, repeated=None, *args, **kwargs):
         where[type(module).__name__] = "host" if meter.tracker.paused else "device"  # inside meter.host()
-        return real(module, qtype, repeated, only)
+        return real(module, qtype, repeated, *args, **kwargs)
 
     monkeypatch.setattr(_pipeline, "quantize", recorded)
     request = probe.request_for(tiny_job("ltx2", {"model.quantize": True, "model.quantize_te": True}), 1, "sim", None)
@@ -875,7 +875,7 @@ def _preview_holdings(changes: dict) -> dict:
     with meter:
         prompts = recipe._encode_text(pipe, request)
         with meter.phase("sample"):
-            recipe._denoise_and_decode(pipe, request, prompts)
+            recipe._denoise_and_decode(pipe, request, prompts, request["sample"])
     seen["umt5"], seen["vae"] = _frozen_bytes(pipe.parts["text_encoder"]), _frozen_bytes(pipe.parts["vae"])
     seen["tiled"] = request["tiled_preview_decode"]
     return seen

@@ -100,5 +100,8 @@ def test_ema_holds_a_shadow_and_a_stored_copy_and_the_estimate_follows():
     trained = extra["sample"] // 2
     # In the last preview three copies exist for a moment (the old stored one, the new one), but
     # the preview's own activations peak higher than one copy of this tiny model: two copies there.
-    assert trained > 0 and extra == {"load": trained, "text_encoder": trained, "latents": trained,
-                                     "sample": 2 * trained, "train": 2 * trained, "last_sample": 2 * trained}
+    # The VAE leaves the device right after the load, before the shadow is made (BaseSDTrainProcess
+    # load_model, then setup_ema): the load phase's peak moves to after it, and grows by one copy at most.
+    assert trained > 0 and 0 < extra.pop("load") <= trained
+    assert extra == {"text_encoder": trained, "latents": trained,
+                     "sample": 2 * trained, "train": 2 * trained, "last_sample": 2 * trained}

@@ -713,8 +713,22 @@ def test_a_job_with_thousands_of_prompts_or_processes_is_applied_at_once():
         assert (lightest.get("train.batch_size"), desired.get("train.batch_size"), job.get("train.batch_size")) \
             == (1, 4, 4)
     written = lightest.dumps()  # the last job: its 3000 other processes kept, comments too
-    assert written.count("    - other") == 3000 and "# buckets; the largest is the memory peak" in written
+    assert written.count("    - other") == 3000 and "(buckets; the largest is the memory peak)" in written
     assert job.dumps() == jobconfig.loads(text, "job.yaml").dumps()  # the base file as it was read
+
+
+def test_a_copy_never_writes_through_a_plain_mapping_set_from_python():
+    """A mapping set from Python (`job.set("train.ema_config", {...})`) is a plain dict, not a
+    ruamel node: a copy that changes a key below it changes its own, never the base's (the base
+    job's EMA was switched off by one probe's point, and every later probe inherited it)."""
+    from fitfinder import jobconfig
+
+    job = jobconfig.loads(GOOD, "job.yaml")
+    job.set("train.ema_config", {"use_ema": True, "ema_decay": 0.99})
+    first, second = job.copy(), job.copy()
+    first.set("train.ema_config.use_ema", False)
+    assert (job.get("train.ema_config.use_ema"), first.get("train.ema_config.use_ema"),
+            second.get("train.ema_config.use_ema")) == (True, False, True)
 
 
 def test_a_probe_log_is_never_written_through_a_link_a_fifo_or_a_second_name(tmp_path):

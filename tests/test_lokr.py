@@ -22,7 +22,7 @@ def test_a_lokr_layer_holds_two_fp32_factors_and_the_weight_never_in_a_linear_fo
     import torch
 
     from fitfinder.models import _lokr
-    from fitfinder.probe.meter import StorageTracker
+    from fitfinder.probe.meters import StorageTracker
 
     torch.manual_seed(0)
     layers = torch.nn.ModuleDict({"full": torch.nn.Linear(64, 96), "low": torch.nn.Linear(64, 96)})
@@ -71,7 +71,7 @@ def test_lokr_and_locon_probe_as_ai_toolkit_builds_them_and_estimate_to_the_same
 
 def _trained(family: str, changes: dict):
     from fitfinder import models
-    from fitfinder.probe import meter as meters
+    from fitfinder.probe import meters
 
     request = probe.request_for(tiny_job(family, changes), 1, "sim", None)
     meter = meters.SimMeter(None)

@@ -245,7 +245,12 @@ class JobFile:
         """`node` if this file may change it in place, else its copy (made once, kept as its own)."""
         if self._own is None or id(node) in self._own:
             return node
-        mine = node if not hasattr(node, "copy_attributes") else _shallow_copy(node)
+        if hasattr(node, "copy_attributes"):
+            mine = _shallow_copy(node)
+        elif isinstance(node, (dict, list)):  # a plain mapping or list set from Python (job.set(path, {...}))
+            mine = type(node)(node)
+        else:
+            mine = node
         self._own[id(mine)] = mine
         return mine
 

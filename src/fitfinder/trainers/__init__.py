@@ -34,25 +34,28 @@ def load(path: str | Path, script: str | None = None, arch: str | None = None) -
     """The job in `path`, in whichever form it is (see the module's docstring)."""
     path = Path(path)
     suffix = path.suffix.lower()
-    if suffix in (".yaml", ".yml"):
+    if suffix in (".yaml", ".yml", ".json"):  # AI Toolkit's run.py takes a .json job as well
         return jobconfig.load(path)
     text = _text(path)
     if suffix in (".sh", ".bash") or text.startswith("#!") or _names_a_script(text):
         return _from_shell(path, text, arch)
     if suffix == ".toml":
         return _from_toml(path, text, script, arch)
-    if suffix in ("", ".txt", ".cfg", ".conf"):
-        for reader in (lambda: _from_toml(path, text, script, arch), lambda: jobconfig.load(path)):
-            try:
-                return reader()
-            except UserError:
-                continue
+    # Any other name (none, .txt, .cfg, or a file that lies where an output goes): whichever form
+    # reads it, so that the checks after the load (is it among the outputs?) still see it.
+    for reader in (lambda: _from_toml(path, text, script, arch), lambda: jobconfig.load(path)):
+        try:
+            return reader()
+        except UserError:
+            continue
     raise UserError(f"{path}: not a job file fitfinder reads; it reads {FORMATS}")
 
 
 def _text(path: Path) -> str:
     if not path.exists():
         raise UserError(f"{path}: no such file; give the job file: {FORMATS}")
+    if path.is_dir():
+        raise UserError(f"{path}: is a folder; give the job file: {FORMATS}")
     if not path.is_file():
         raise UserError(f"{path}: not a regular file; give the job file: {FORMATS}")
     return _kohya.read_text(path, "job file")

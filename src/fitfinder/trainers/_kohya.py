@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from fitfinder import jobconfig, models
+from fitfinder import files, jobconfig, models
 from fitfinder.errors import ConfigError, UserError
 from fitfinder.jobconfig import Settings, brief, one_line, write_atomic
 from fitfinder.trainers import _safetensors, _shell, _toml
@@ -262,11 +262,9 @@ def config_tables(data: dict[str, Any]) -> dict[str, tuple[str, int]]:
 
 
 def read_text(path: Path, what: str) -> str:
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"{path}: no such file (the job's {what})")
-    raw = path.read_bytes()
-    if len(raw) > _toml.MAX_TOML_BYTES:
-        raise UserError(f"{path}: larger than 1 MiB; the job's {what} is a few KiB")
+    raw = files.read_bounded(path, _toml.MAX_TOML_BYTES, what)  # a FIFO or /dev/zero is refused, not read
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError:
