@@ -112,7 +112,7 @@ def test_run_writes_the_first_change_with_comments_and_a_header(tmp_path):
     text = out.read_text()
     assert text.startswith("# fitfinder diagnose: the first change after the OOM in aitk_flux_3_times_in_a_row.log")
     assert "#   train.gradient_checkpointing: false -> true" in text
-    assert re.search(r"gradient_checkpointing: true +# fitfinder: was false \(off: faster\)", text)  # the comment stays, marked
+    assert re.search(r"gradient_checkpointing: true +# fitfinder: was false \(off: faster\)", text)
     assert "# rank" in text and "# buckets" in text
     assert jobconfig.load(out).get("train.gradient_checkpointing") is True
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fixed.yaml", "job.yaml"]  # no temporary file left
