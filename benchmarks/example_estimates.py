@@ -61,7 +61,7 @@ def verdict(result: dict | None) -> str:
         return "(no job)"
     if "refused" in result or "failed" in result:
         return "refused" if "refused" in result else "failed"
-    return "fits" if result["fits_with_margin"] else "fits past the margin" if result["fits"] else "does not fit"
+    return "fits" if result["fits_with_margin"] else "tight" if result["fits"] else "does not fit"
 
 
 def compare(before_path: Path, after_path: Path) -> None:
