@@ -15,6 +15,18 @@ DEMO = ROOT / "configs" / "demo.yaml"
 # The project's own job files with the settings of AI Toolkit's examples (nothing outside the checkout).
 EXAMPLES = ROOT / "examples" / "aitk"
 
+# The families every default run sweeps (the flow-matching transformer, its full fine-tune, a UNet,
+# one video family and Wan 2.2's two experts, Qwen-Image's VL encoder); the other families' cases of
+# a per-family sweep are marked `exhaustive`, deselected by default (pyproject's addopts) so the
+# suite keeps within CI's 30 minutes, and run with `python -m pytest -n auto -m exhaustive`.
+SWEPT = frozenset({"flux", "flux_full", "sd15", "wan21", "wan22", "qwen_image"})
+
+
+def sweep(names, kept=SWEPT) -> list:
+    """`names` as parameters, those outside `kept` marked exhaustive."""
+    return [name if name in kept else pytest.param(name, marks=pytest.mark.exhaustive) for name in names]
+
+
 
 def pytest_collection_modifyitems(config, items):
     """GPU tests run only where CUDA is: everywhere else they are skipped, saying why."""

@@ -153,6 +153,7 @@ print(json.dumps({"statuses": statuses, "checked": checked}))
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # every op of every family's recipe: 8 minutes; test_every_phase_of_35_... checks the bytes
 def test_the_ops_the_counting_mode_answers_itself_or_from_the_cache_get_fake_tensor_modes_answers():
     """The counting mode answers new empty tensors and views itself (_fake_mode._DIRECT_OPS): with its
     crosscheck on, each answer is held to FakeTensorMode's own for the same op (sizes, strides,

@@ -11,6 +11,7 @@ import json
 import pytest
 
 from fitfinder.models import FAMILIES, known_archs
+from tests.conftest import sweep
 
 pytestmark = pytest.mark.slow
 FAMILY_NAMES = tuple(FAMILIES)
@@ -62,7 +63,7 @@ def _big_preview(family: str) -> dict:
     return BIG_PREVIEW_OF.get(family, BIG_PREVIEW[_kind(family)])
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", sweep(FAMILY_NAMES))
 def test_a_budget_between_the_train_and_the_sample_peak_runs_out_in_the_sample(run, family):
     free = run(family, _big_preview(family))["phases"]
     others = max(peak for name, peak in free.items() if name not in ("sample", "last_sample"))
@@ -100,7 +101,7 @@ def test_a_clip_longer_than_the_budget_runs_out_although_every_other_shape_fits(
 LIGHT = {"train.gradient_checkpointing": False, "train.disable_sampling": True}
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", sweep(FAMILY_NAMES))
 def test_train_peak_grows_with_resolution_batch_and_frames_and_shrinks_with_checkpointing(run, family):
     resolution = {"image": 128, "video": 64}[_kind(family)]
 
@@ -118,7 +119,7 @@ def test_train_peak_grows_with_resolution_batch_and_frames_and_shrinks_with_chec
 
 
 # -- the same weights from a diffusers folder and from the architecture config ----------------
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", sweep(FAMILY_NAMES))
 def test_a_local_diffusers_folder_and_the_arch_config_give_the_same_peaks(run, family, tmp_path):
     arch = known_archs()[f"{family}-tiny"]
     folder = _save_pipeline(arch, family, tmp_path / f"{family}-pipeline")

@@ -7,6 +7,7 @@ different workers: the tests of both grow with every family module.
 import pytest
 
 from fitfinder.models import FAMILIES, known_archs
+from tests.conftest import sweep
 
 pytestmark = pytest.mark.slow
 FAMILY_NAMES = tuple(FAMILIES)
@@ -56,7 +57,7 @@ def test_a_unet_lora_wraps_its_1x1_convolutions_and_its_larger_ones_only_at_netw
     assert {"conv_in", "down_blocks.0.resnets.0.conv1", "up_blocks.0.upsamplers.0.conv"} <= set(at_conv)
 
 
-@pytest.mark.parametrize("family", UNET_FAMILIES)
+@pytest.mark.parametrize("family", sweep(UNET_FAMILIES))
 def test_network_conv_trains_the_larger_convolutions_and_the_estimate_still_equals_the_sim_meter(run, family):
     from fitfinder import probe
     from fitfinder.probe import estimate

@@ -6,7 +6,7 @@ import pytest
 
 from fitfinder import models, probe
 from fitfinder.probe.request import _preview_size, layer_offloading
-from tests.conftest import tiny_job
+from tests.conftest import sweep, tiny_job
 
 MiB = 2**20
 
@@ -59,7 +59,7 @@ def _checkpointed_blocks(qtype: str | None, blocks: int = 8, width: int = 256):
     return after_forward, weights
 
 
-@pytest.mark.parametrize("qtype", ["qfloat8", "qint8"])
+@pytest.mark.parametrize("qtype", sweep(["qfloat8", "qint8"], kept={"qfloat8"}))
 def test_checkpointed_8_bit_blocks_keep_no_more_than_plain_ones(qtype):
     """bitsandbytes' Linear8bitLt kept every layer's input out of checkpointing's sight (+40 MiB on
     these 8 blocks); quanto's linear saves it with save_for_backward, so checkpointing frees it."""
@@ -254,6 +254,7 @@ def _offloaded_blocks(share: float, blocks: int = 8, width: int = 256):
     return peak, weight_bytes, largest
 
 
+@pytest.mark.exhaustive  # test_a_share_of_0_is_no_offloading_... runs the offloading by default
 def test_offloaded_layers_lower_the_peak_by_their_weights_less_the_copies_in_the_rings():
     """AI Toolkit keeps an offloaded layer's weight in host memory and copies it to the device for
     the forward and again for the backward, into rings of AI_TOOLKIT_OFFLOAD_DEPTH (4) slots; the

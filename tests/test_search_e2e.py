@@ -31,6 +31,7 @@ def _exhaustive_optimum(job_path):
     return space, rows, [(p, r) for p, r in feasible if space.quality_key(p) == top]
 
 
+@pytest.mark.exhaustive  # every point of the demo probed; test_demo_sequence holds the same winner by default
 def test_demo_winner_is_the_true_optimum(workdir):
     done = run_cli("search", "configs/demo.yaml", "--json", cwd=workdir)
     assert done.returncode == 0, done.stderr

@@ -10,7 +10,7 @@ import pytest
 
 from fitfinder import space as spaces
 from fitfinder.models import FAMILIES
-from tests.conftest import tiny_job
+from tests.conftest import sweep, tiny_job
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ def runner():
     return probe.ProbeRunner(timeout_s=300)
 
 
-@pytest.mark.parametrize("family", sorted(JOBS))
+@pytest.mark.parametrize("family", sweep(sorted(JOBS)))
 def test_each_knob_changes_only_the_phases_it_claims_and_never_lowers_them(family, runner):
     from fitfinder import probe
 
