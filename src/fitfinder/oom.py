@@ -287,7 +287,7 @@ def classify(error: BaseException | str, conservative: bool = False,
         stack = traceback.extract_tb(error.__traceback__)
         frames, files = [frame.name for frame in stack], [frame.filename for frame in stack]
         is_oom_type = type(error).__name__ == "OutOfMemoryError"
-        host = None
+        host = "MemoryError" if isinstance(error, MemoryError) else None  # the host's RAM, not the card's
     else:
         text = str(error)
         frames, files = frames_of_text(text)

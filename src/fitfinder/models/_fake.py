@@ -38,6 +38,23 @@ def build_part(spec: dict, part: str, dtype: torch.dtype) -> torch.nn.Module:
     return module.eval()
 
 
+def read_whole(meter, spec: dict, part: str) -> None:
+    """The host memory a part's weights file takes while it is read (the estimate's): diffusers and
+    transformers read a safetensors file (a sharded checkpoint: a shard at a time) whole into host
+    memory before the part takes its tensors (`load_state_dict`), so the largest file passes beside
+    the part. Only for weights on disk; a random part is made in place."""
+    if spec.get("path") is None:
+        return
+    from pathlib import Path
+
+    files = list((Path(spec["path"]) / part).glob("*.safetensors"))
+    largest = max((file.stat().st_size for file in files), default=0)
+    if largest:
+        with meter.host():
+            read = torch.empty(largest, dtype=torch.uint8)
+        del read
+
+
 def add_adapter(denoiser: torch.nn.Module, lora_config, adapter_name: str = "default") -> None:
     """peft's LoRA as `add_adapter` leaves it: added on meta, cast as peft casts it, materialized.
 

@@ -52,11 +52,12 @@ def load(pipe, spec: dict, settings: dict):
     trainer, meter, family = settings["trainer"], pipe.meter, pipe.family
     for part in family.load_order or family.parts:
         form = trainer["weights"].get(part, settings["dtype"])
-        with meter.host():
+        with meter.host(), meter.owning(f"weights:{part}"):
             module = _build(spec, part, build_dtype(form, pipe.dtype), "cpu", meter)
             for path in family.dropped.get(part, ()):
                 owner, _, name = path.rpartition(".")
                 setattr(module.get_submodule(owner), name, None)
+            meter.to_host(module)  # in host memory until placed (a library may make its weights unseen)
             if form == "fp8":
                 cast_fp8(module)
             elif form == "fp8_scaled":
@@ -68,7 +69,7 @@ def load(pipe, spec: dict, settings: dict):
         if name in pipe.parts:
             swap_blocks(pipe, name, trainer.get("swapped") or {})
     for name in settings["trained"]:
-        with meter.host():
+        with meter.host(), meter.owning("lora"):
             _add_lora(pipe, name, settings)
         if not trainer.get("lora_input_cast", True):
             keep_lora_input(pipe.parts[name])

@@ -117,8 +117,8 @@ def attach_layers(part: torch.nn.Module, layers: list, meter, rings: Rings) -> N
             if meter.kind == "cuda":  # a new parameter: a quantized weight ignores `param.data = ...`
                 param = torch.nn.Parameter(param.detach().to("cpu"), requires_grad=param.requires_grad)
                 layer._parameters[name] = param
-            else:
-                meter.release(param)
+            else:  # to pinned host memory, as the MemoryManager pins it
+                meter.to_host(param, pinned=True)
             # AI Toolkit's mark (BaseLayerMemoryManager.attach): the meters count no marked
             # parameter as the device's (meters.tensors_of), and the part's `to` leaves it be.
             param._is_memory_managed = True

@@ -129,41 +129,49 @@ def load(spec: dict, settings: dict, meter) -> Pipeline:
     qtypes = {part: _quantization(family, part, settings) for part in family.parts}
     quantized = {part for part, qtype in qtypes.items() if qtype}
     for loading in family.load_plan(low_vram, quantized):
-        part, qtype = loading.part, qtypes[loading.part]
-        share = _offload_share(family, part, settings)
-        offloaded_first = bool(share) and loading.offloaded_on_host
-        with meter.host():
-            module = _build(spec, part, pipe.dtype,
-                            "cpu" if loading.built_on_host or offloaded_first else meter.device, meter)
-            for path in family.dropped.get(part, ()):  # gone before anything counts it
-                owner, _, name = path.rpartition(".")
-                setattr(module.get_submodule(owner), name, None)
-            pipe.parts[part] = module
-            if qtype and loading.built_on_host:
-                _quantize(pipe, part, qtype, settings)
-            if offloaded_first:  # its offloaded layers never reach the device (Placement.offloaded_on_host)
-                _offload_in_host_memory(pipe, part, share, None if loading.built_on_host else qtype)
-        if loading.comes_on:
-            pipe.place(pipe.on_device | {part})  # whole, to be quantized here, or quantized already
-            if qtype and not loading.built_on_host:
-                _quantize(pipe, part, qtype, settings)  # offloaded layers are quantized already
-        if not offloaded_first:
-            _offload_layers(pipe, part, share)  # after quantizing, before the LoRA, wherever the part is
-        if loading.leaves:
-            pipe.place(pipe.on_device - {part})
+        with meter.owning(f"weights:{loading.part}"):
+            _load_part(pipe, spec, settings, loading, qtypes[loading.part])
     pipe.place(family.after_load(low_vram, quantized))
     # BaseSDTrainProcess.run, right after load_model and before the network is made: `vae.to('cpu')`,
     # whatever the model (AI Toolkit 27a03a91); each phase's presets bring it back when they want it.
     pipe.place(pipe.on_device - {"vae"})
     make_trainable = _add_lora if settings["rank"] else _train_whole
     for name in settings["trained"]:
-        if name in pipe.on_device:
-            make_trainable(pipe, name, settings)
-        else:
-            with meter.host():
+        with meter.owning("lora" if settings["rank"] else f"weights:{name}"):
+            if name in pipe.on_device:
                 make_trainable(pipe, name, settings)
-            pipe.keep_lora_on_device(name)  # network.force_to: the LoRA of a part left in host memory too
+            else:
+                with meter.host():
+                    make_trainable(pipe, name, settings)
+                pipe.keep_lora_on_device(name)  # network.force_to: the LoRA of a part left in host memory too
     return pipe
+
+
+def _load_part(pipe: Pipeline, spec: dict, settings: dict, loading, qtype: str | None) -> None:
+    """One part built, quantized and offloaded where its family's loader does it (`load_pipeline`)."""
+    family, meter, part = pipe.family, pipe.meter, loading.part
+    share = _offload_share(family, part, settings)
+    offloaded_first = bool(share) and loading.offloaded_on_host
+    with meter.host():
+        module = _build(spec, part, pipe.dtype,
+                        "cpu" if loading.built_on_host or offloaded_first else meter.device, meter)
+        for path in family.dropped.get(part, ()):  # gone before anything counts it
+            owner, _, name = path.rpartition(".")
+            setattr(module.get_submodule(owner), name, None)
+        meter.to_host(module)  # in host memory until placed (a library may make its weights unseen)
+        pipe.parts[part] = module
+        if qtype and loading.built_on_host:
+            _quantize(pipe, part, qtype, settings)
+        if offloaded_first:  # its offloaded layers never reach the device (Placement.offloaded_on_host)
+            _offload_in_host_memory(pipe, part, share, None if loading.built_on_host else qtype)
+    if loading.comes_on:
+        pipe.place(pipe.on_device | {part})  # whole, to be quantized here, or quantized already
+        if qtype and not loading.built_on_host:
+            _quantize(pipe, part, qtype, settings)  # offloaded layers are quantized already
+    if not offloaded_first:
+        _offload_layers(pipe, part, share)  # after quantizing, before the LoRA, wherever the part is
+    if loading.leaves:
+        pipe.place(pipe.on_device - {part})
 
 
 def _quantize(pipe: Pipeline, part: str, qtype: str, settings: dict) -> None:
@@ -275,7 +283,9 @@ def _weights_quantized_in_place(qtype: str) -> bool:
 def _build(spec: dict, part: str, dtype: torch.dtype, device, meter) -> torch.nn.Module:
     """The part's weights; under a fake meter (the estimate) its architecture as fake tensors."""
     if getattr(meter, "fake", False):
-        return _fake.build_part(spec, part, dtype)
+        module = _fake.build_part(spec, part, dtype)
+        _fake.read_whole(meter, spec, part)
+        return module
     return build_part(spec, part, dtype, device)
 
 

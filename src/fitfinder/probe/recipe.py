@@ -63,7 +63,8 @@ def run(request: ProbeRequest, watch=None) -> ProbeResult:
     # The imported libraries' objects never become garbage: freezing them makes each phase's
     # collection (so that one phase's garbage does not count in the next) cost ms, not 0.3 s.
     gc.freeze()
-    meter = meters.make(request["meter"], request.get("budget_bytes"), request.get("gpu", 0), request.get("overhead"))
+    meter = meters.make(request["meter"], request.get("budget_bytes"), request.get("gpu", 0), request.get("overhead"),
+                        request.get("ram_bytes"))
     if watch is not None:
         watch(meter)
     result: ProbeResult = {"status": "ok", "phase": None, "error": None, "oom_kind": None,
@@ -83,6 +84,8 @@ def run(request: ProbeRequest, watch=None) -> ProbeResult:
     del failure  # the traceback pins tensors; drop it before reading the peaks
     result["phase_stats"] = meter.phases
     result["phases"] = {name: int(p["peak_reserved"]) for name, p in meter.phases.items()}
+    result["host_phases"] = {name: int(p["peak_host"]) for name, p in meter.phases.items() if "peak_host" in p}
+    result["ram_bytes"] = request.get("ram_bytes")
     result["peak_bytes"] = meter.peak_bytes
     result["budget_bytes"] = request.get("budget_bytes")
     result["outside_bytes"] = getattr(meter, "outside_bytes", None)
@@ -250,6 +253,7 @@ def _encode_text(pipe, request: dict) -> dict:
             prompts["sample"] = pipe.recipe.encode_prompts(encoders, 1)
             prompts["negative"] = pipe.recipe.encode_prompts(encoders, 1)
     del encoders
+    pipe.meter.claim("embeddings", prompts)
     if request["text_encoder"] == "cache":  # unloaded for good; "unload" only moves them off
         for name in pipe.family.text_encoders:
             pipe.unload(name)
@@ -353,8 +357,9 @@ def _train(pipe, request: dict, prompts: dict, result: dict, ema=None):
     trained = request["trained"]
     for name in trained:
         pipe.parts[name].train()
-    with pipe.meter.concrete():  # bitsandbytes builds its code books from values
+    with pipe.meter.concrete(), pipe.meter.owning("optimizer"):  # bitsandbytes builds its code books from values
         optimizer = _optimizer(request, pipe, trained)
+    _gradients_owned(pipe, trained)
     pipe.meter.replay_repeated_updates(optimizer)  # the estimate's: each layout's update runs once
     steps, accumulation = request["steps"], max(1, request["accumulation"])
     if request.get("prime_optimizer") and pipe.offloaded & set(trained):
@@ -384,7 +389,8 @@ def _train(pipe, request: dict, prompts: dict, result: dict, ema=None):
         # Step the optimizer every `accumulation` micro-steps, once before the middle step so its
         # state exists when the heaviest shape comes back, and before the other expert takes over.
         if (step + 1) % accumulation == 0 or step in (middle - 1, steps - 1) or expert_at(step + 1) != expert:
-            optimizer.step()
+            with pipe.meter.owning("optimizer"):
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if ema is not None:
                 ema.update()
@@ -423,6 +429,8 @@ def _training_step(pipe, request: dict, prompts: dict, expert: str, resolution: 
         del kept, prior
     loss.backward()
     del latents, noise, noisy, target, prediction, loss
+    # Gradients the estimate's replays set without a backward hook (CheckpointedBlocks) are the gradients' too.
+    pipe.meter.claim("gradients", *(param.grad for param in pipe.trainable_parameters([expert]) if param.grad is not None))
 
 
 def _autocast(pipe, request: dict):
@@ -515,18 +523,33 @@ def _prime_optimizer(pipe, request: dict, optimizer, keep_gradients: bool) -> No
     trained = request["trained"]
     for name in trained:
         pipe.place(resident("train", request, pipe.family, active=name))
-        for param in _reached_by_the_loss(pipe, name):
-            param.grad = torch.zeros_like(param)
-        optimizer.step()
+        with pipe.meter.owning("gradients"):
+            for param in _reached_by_the_loss(pipe, name):
+                param.grad = torch.zeros_like(param)
+        with pipe.meter.owning("optimizer"):
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    if keep_gradients:
-        for param in _reached_by_the_loss(pipe, trained[0]):
-            param.grad = torch.zeros_like(param)
-    # An accuracy-recovery adapter's gradients live from a run's first backward on (no optimizer clears them).
-    for name in trained:
-        for param in _reached_by_the_loss(pipe, name, pipe.recovery_parameters([name])):
-            param.grad = torch.zeros_like(param)
+    with pipe.meter.owning("gradients"):
+        if keep_gradients:
+            for param in _reached_by_the_loss(pipe, trained[0]):
+                param.grad = torch.zeros_like(param)
+        # An accuracy-recovery adapter's gradients live from a run's first backward on (no optimizer clears them).
+        for name in trained:
+            for param in _reached_by_the_loss(pipe, name, pipe.recovery_parameters([name])):
+                param.grad = torch.zeros_like(param)
     pipe.meter.register(optimizer)
+
+
+def _gradients_owned(pipe, trained: list[str]) -> None:
+    """Each trained parameter's gradient belongs to the gradients from the moment it is accumulated
+    (until then, in the backward, it is one of its transients)."""
+    meter = pipe.meter
+    if not hasattr(meter, "tracker"):  # the cuda meter counts no tensor, and has no owners
+        return
+    for param in pipe.trainable_parameters(trained):
+        if not getattr(param, "_gradient_owned", False):
+            param.register_post_accumulate_grad_hook(lambda p: meter.claim("gradients", p.grad))
+            param._gradient_owned = True
 
 
 def _reached_by_the_loss(pipe, name: str, params: list | None = None) -> list:
@@ -552,10 +575,13 @@ def _training_latents(pipe, request: dict, side: int, frames: int, heaviest: boo
     import torch
 
     recipe, batch = pipe.recipe, request["batch_size"]
-    if request["cache_latents"] or not heaviest:
-        return recipe.inputs.randn(recipe.latent_shape(side, side, frames, batch))
+    with pipe.meter.owning("latents"):
+        if request["cache_latents"] or not heaviest:
+            return recipe.inputs.randn(recipe.latent_shape(side, side, frames, batch))
     with torch.no_grad():
-        return recipe.encode_images(pipe.parts["vae"], recipe.pixels(side, side, frames, batch)).detach()
+        latents = recipe.encode_images(pipe.parts["vae"], recipe.pixels(side, side, frames, batch)).detach()
+    pipe.meter.claim("latents", latents)
+    return latents
 
 
 def _optimizer(request: dict, pipe, trained: list[str]):
@@ -576,7 +602,8 @@ def _ema(pipe, request: dict):
         return None
     from fitfinder import optimizers  # torch: only in the child
 
-    ema = optimizers.Ema(pipe.trainable_parameters(request["trained"]), request["ema_decay"])
+    with pipe.meter.owning("ema"):
+        ema = optimizers.Ema(pipe.trainable_parameters(request["trained"]), request["ema_decay"])
     pipe.meter.replay_repeated_updates(ema=ema)  # the estimate's: each layout's update and copy runs once
     return ema
 

@@ -9,7 +9,10 @@ The meters have the same small surface, so the probe reads the same on any of th
             part = meter.to_device(part)   # onto the device: it counts from now on
             meter.to_host(part)            # off the device (low_vram, unloaded encoders)
         meter.register(module)       # tensors made outside the meter's sight (safetensors loads)
-    meter.phases                     # name -> {"peak_allocated", "peak_reserved", "seconds"}
+    meter.phases                     # name -> {"peak_allocated", "peak_reserved", "seconds",
+                                     #          "owners", "peak_host", "host_tensors", "host_pinned", ...}
+        with meter.owning("lora"):   # what is made inside belongs to the LoRA (memory by owner)
+            add_lora()
 
         with meter.concrete():       # code that reads tensor values (code books) sees real ones
             optimizer = make_optimizer()
@@ -27,7 +30,9 @@ One module each:
 
 - sim.py, estimate.py, cuda.py: the three meters, one a kind (`make` picks one by its name);
 - _clock.py: what they keep alike (each phase's peaks and seconds, the step clock);
-- _tracker.py: the trackers, live storage bytes as tensors are made and die, and `PeakWindow`;
+- _tracker.py: the trackers, live storage bytes as tensors are made and die, on the device and
+  the host, by owner, and `PeakWindow`;
+- _host.py: the process's resident memory as Linux reports it (each phase's measured host peak);
 - _tensors.py: where the meters find tensors (an op's outputs, a model's members, subclasses' insides);
 - _fake_mode.py: the estimate's counting FakeTensorMode and the shortcuts that keep it fast;
 - _replay.py: the estimate's replays of repeated blocks, checkpointed blocks and updates.
@@ -47,14 +52,16 @@ __all__ = ["AllocatorTracker", "CheckpointedBlocks", "CudaMeter", "EstimateMeter
            "tensors_of"]
 
 
-def make(kind: str, budget_bytes: int | None, gpu: int = 0, overhead: dict | None = None):
-    """The meter a probe request names (`overhead`: the estimate's GPU overhead model)."""
+def make(kind: str, budget_bytes: int | None, gpu: int = 0, overhead: dict | None = None,
+         ram_bytes: int | None = None):
+    """The meter a probe request names (`overhead`: the estimate's GPU overhead model; `ram_bytes`:
+    the host's budget, which the sim meter enforces and the others judge)."""
     if kind == "estimate":
-        return EstimateMeter(budget_bytes, overhead)
+        return EstimateMeter(budget_bytes, overhead, ram_bytes)
     if kind == "cuda":
         # Under the user's PYTORCH_CUDA_ALLOC_CONF, if any: AI Toolkit sets none (its run.py and
         # toolkit/ at commit 27a03a91 never write it), so neither does the probe.
-        return CudaMeter(budget_bytes, gpu)
+        return CudaMeter(budget_bytes, gpu, ram_bytes)
     if kind == "sim":
-        return SimMeter(budget_bytes)
+        return SimMeter(budget_bytes, ram_bytes)
     raise ValueError(f"unknown meter {kind!r}; known: sim, cuda, estimate")

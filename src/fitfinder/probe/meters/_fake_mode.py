@@ -56,12 +56,13 @@ def counting_fake_mode(tracker: AllocatorTracker):
                     _crosscheck(out, self.fake_answer(func, types, args, kwargs), func, args)
             if out is None:
                 out = self.fake_answer(func, types, args, kwargs)
-            if self.depth == 0 and not tracker.paused:
+            if self.depth == 0:
+                add = tracker.add_host if tracker.paused else tracker.add
                 if isinstance(out, torch.Tensor):  # most ops: no generator for those
-                    tracker.add(out)
+                    add(out)
                 else:
                     for tensor in tensors_returned(out):
-                        tracker.add(tensor)
+                        add(tensor)
             return out
 
         def fake_answer(self, func, types, args, kwargs):

@@ -374,13 +374,13 @@ class _Replayed(torch.autograd.Function):
                                "backward (set FITFINDER_REPLAY_CHECKPOINTED=0 and report it)")
         tracker = ctx.blocks.tracker
         tracker.reach(trace.rise)
-        peaks = tracker.peak_bytes, tracker.peak_allocated_bytes
+        peaks = tracker.peaks()
         made = dict(zip(trace.grad_indices, trace.grads.make()))
         input_grads = [made.get(index) for index in range(ctx.input_count)]
         for param, layout in zip(ctx.trained, trace.new_grads):
             if layout is not None:
                 param.grad = _empty_like_layout(layout)
-        tracker.peak_bytes, tracker.peak_allocated_bytes = peaks
+        tracker.restore(peaks)
         return (None, None, None, None, *input_grads, *(None for _ in ctx.trained))
 
 

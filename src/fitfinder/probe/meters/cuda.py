@@ -9,6 +9,7 @@ from typing import Any, Iterator
 
 import torch
 
+from fitfinder.probe.meters import _host
 from fitfinder.probe.meters._clock import PhaseClock
 from fitfinder.units import format_bytes
 
@@ -26,8 +27,10 @@ class CudaMeter(PhaseClock):
 
     kind = "cuda"
 
-    def __init__(self, budget_bytes: int | None, gpu: int = 0):
+    def __init__(self, budget_bytes: int | None, gpu: int = 0, ram_bytes: int | None = None):
         super().__init__()
+        self.ram_bytes = ram_bytes  # judged on each phase's measured host peak (`peak_host`)
+        self.host_outside_bytes = _host.resident_bytes() or 0
         torch.cuda.set_device(gpu)
         self.device = torch.device("cuda", gpu)
         _warm_up(self.device)  # loads the context and the math libraries, so they can be measured
@@ -52,6 +55,7 @@ class CudaMeter(PhaseClock):
         self.current_phase = name
         _flush(self.device)  # as AI Toolkit flushes between stages: no cached block from before counts
         torch.cuda.reset_peak_memory_stats(self.device)
+        measured = _host.reset_peak()
         start = time.perf_counter()
         try:
             yield
@@ -61,7 +65,10 @@ class CudaMeter(PhaseClock):
             self._account_outside(total - free - torch.cuda.memory_reserved(self.device))
             allocated = torch.cuda.max_memory_allocated(self.device) + self.outside_bytes
             reserved = torch.cuda.max_memory_reserved(self.device) + self.outside_bytes
-            self._record(name, allocated, reserved, time.perf_counter() - start)
+            # The host: the process's resident peak in the phase, its workers' included (no tensor is counted).
+            host = _host.peak_bytes() if measured else None
+            self._record(name, allocated, reserved, time.perf_counter() - start,
+                         host={"peak_host": host, "host_rss": host})
 
     def _account_outside(self, outside_bytes: int) -> None:
         """Memory outside the allocator only grows (libraries load lazily); the cap shrinks with it."""
@@ -87,7 +94,7 @@ class CudaMeter(PhaseClock):
     def to_device(self, obj: Any) -> Any:
         return obj.to(self.device)
 
-    def to_host(self, obj: Any) -> Any:
+    def to_host(self, obj: Any, pinned: bool = False) -> Any:
         moved = obj.to("cpu")
         torch.cuda.empty_cache()
         return moved

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import torch
 from torch._subclasses import fake_tensor  # imported by torch itself
 
+from fitfinder.probe.meters import _host
 from fitfinder.probe.meters._clock import PhaseClock
 from fitfinder.probe.meters._fake_mode import counting_fake_mode
 from fitfinder.probe.meters._replay import CheckpointedBlocks, RepeatedBlocks, RepeatedUpdates
@@ -39,9 +40,13 @@ class EstimateMeter(SimMeter):
     fake = True
     _froze = False  # whether an estimate's phase in this process froze what was alive (`phase`)
 
-    def __init__(self, budget_bytes: int | None, overhead=None):
+    def __init__(self, budget_bytes: int | None, overhead=None, ram_bytes: int | None = None):
         PhaseClock.__init__(self)
         self.budget_bytes = budget_bytes
+        self.ram_bytes = ram_bytes  # judged afterwards, as the device's budget is
+        # The trainer's process before its first model: this one's, as it was at the first estimate
+        # (Python, torch and the libraries; `_host.process_bytes`). A CUDA build's libraries add more.
+        self.host_outside_bytes = _host.process_bytes()
         self.overhead = GpuOverhead.from_dict(overhead)
         self.tracker = AllocatorTracker()
         self.outside_bytes = self.overhead.context_bytes
@@ -77,13 +82,24 @@ class EstimateMeter(SimMeter):
         gc.freeze()
         EstimateMeter._froze = True
         tracker = self.tracker
-        tracker.peak_bytes, tracker.peak_allocated_bytes = tracker.live_bytes, tracker.allocated_bytes
+        tracker.start_phase()
         start = time.perf_counter()
         try:
             yield
         finally:
             allocated, reserved = self.overhead.device_peaks(tracker.peak_allocated_bytes)
-            self._record(name, allocated, reserved, time.perf_counter() - start, peak_live=tracker.peak_bytes)
+            self._record(name, allocated, reserved, time.perf_counter() - start, peak_live=tracker.peak_bytes,
+                         owners=self._owners(tracker, allocated, reserved), host=self._host_peaks(tracker, False))
+
+    def _owners(self, tracker, allocated: int, reserved: int) -> dict[str, int]:
+        """The device's peak by owner, the GPU's own overhead included, summing to the reserved peak."""
+        owners = dict(tracker.peak_owners)
+        overhead = self.overhead
+        owners["allocator rounding"] = tracker.peak_allocated_bytes - sum(owners.values())
+        owners["cuBLAS workspace"] = overhead.workspace_bytes
+        owners["fragmentation"] = reserved - allocated
+        owners["CUDA context"] = overhead.context_bytes
+        return owners
 
     @contextmanager
     def concrete(self) -> Iterator[None]:

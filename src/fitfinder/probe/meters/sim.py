@@ -1,7 +1,9 @@
 """The sim meter: the CPU as a GPU of a given budget, raising a real out-of-memory error past it.
 
 Every live tensor storage made on the (simulated) device is counted by a `StorageTracker`; the
-probe really runs, on one CPU thread, so it fails where and as it would on the card.
+probe really runs, on one CPU thread, so it fails where and as it would on the card. The host's
+tensors are counted beside them, on top of what the process held at the start; past a RAM budget
+the tracker raises `MemoryError`, as a machine out of RAM does.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, Iterator
 
 import torch
 
+from fitfinder.probe.meters import _host
 from fitfinder.probe.meters._clock import PhaseClock
 from fitfinder.probe.meters._tensors import tensors_of
 from fitfinder.probe.meters._tracker import StorageTracker
@@ -25,10 +28,15 @@ class SimMeter(PhaseClock):
     kind = "sim"
     device = torch.device("cpu")
 
-    def __init__(self, budget_bytes: int | None):
+    def __init__(self, budget_bytes: int | None, ram_bytes: int | None = None):
         super().__init__()
         self.budget_bytes = budget_bytes
-        self.tracker = StorageTracker(budget_bytes)
+        self.ram_bytes = ram_bytes
+        # The process before any model (a probe forked from the forkserver: Python, torch and the
+        # libraries), measured; host tensors come on top of it, against the RAM budget.
+        self.host_outside_bytes = _host.resident_bytes() or 0
+        host_budget = None if ram_bytes is None else max(ram_bytes - self.host_outside_bytes, 0)
+        self.tracker = StorageTracker(budget_bytes, host_budget)
 
     def __enter__(self) -> "SimMeter":
         # Tiny random models underflow into denormal floats, which the CPU computes up to 10x
@@ -53,13 +61,25 @@ class SimMeter(PhaseClock):
     def phase(self, name: str) -> Iterator[None]:
         self.current_phase = name
         gc.collect()  # what the last phase left for the collector must not count in this one
-        self.tracker.peak_bytes = self.tracker.live_bytes
+        tracker = self.tracker
+        tracker.start_phase()
+        measured = _host.reset_peak()
         start = time.perf_counter()
         try:
             yield
         finally:
-            peak = self.tracker.peak_bytes
-            self._record(name, peak, peak, time.perf_counter() - start)
+            peak = tracker.peak_bytes
+            self._record(name, peak, peak, time.perf_counter() - start, owners=tracker.peak_owners,
+                         host=self._host_peaks(tracker, measured))
+
+    def owning(self, owner: str):
+        """Storages first made or seen inside belong to `owner` (`_tracker.OWNERS`)."""
+        return self.tracker.owning(owner)
+
+    def claim(self, owner: str, *objects: Any) -> None:
+        """These tensors belong to `owner` from now on (gradients once accumulated, cached embeddings)."""
+        for tensor in tensors_of(*objects):
+            self.tracker.claim(owner, tensor)
 
     @contextmanager
     def host(self) -> Iterator[None]:
@@ -78,6 +98,7 @@ class SimMeter(PhaseClock):
             self.tracker.add(tensor)
 
     def release(self, *objects: Any) -> None:
+        """These tensors are on neither side any more (freed, or handed to code that frees them)."""
         for tensor in tensors_of(*objects):
             self.tracker.drop(tensor)
 
@@ -91,9 +112,10 @@ class SimMeter(PhaseClock):
         self.register(obj)
         return obj
 
-    def to_host(self, obj: Any) -> Any:
-        """Move a module or tensor off the (simulated) device: it stops counting."""
-        self.release(obj)
+    def to_host(self, obj: Any, pinned: bool = False) -> Any:
+        """Move a module or tensor off the (simulated) device into host memory (pinned: page-locked)."""
+        for tensor in tensors_of(obj):
+            self.tracker.to_host(tensor, pinned)
         return obj
 
     @property
@@ -101,4 +123,7 @@ class SimMeter(PhaseClock):
         return self.tracker.live_bytes
 
     def describe(self) -> str:
-        return f"sim meter, budget {format_bytes(self.budget_bytes)}" if self.budget_bytes else "sim meter, no budget"
+        text = f"sim meter, budget {format_bytes(self.budget_bytes)}" if self.budget_bytes else "sim meter, no budget"
+        if self.ram_bytes is not None:
+            text += f", RAM {format_bytes(self.ram_bytes)}"
+        return text
