@@ -27,6 +27,8 @@ def sequence(folder: Path, summary: dict) -> dict:
     trials = [{"number": t.number, "state": t.state.name, "params": t.params,
                "quality": None if t.values is None else t.values[0],
                **{key: t.user_attrs.get(key) for key in KEPT}} for t in study.trials]
+    for trial in trials:  # the RAM budget is by default what this machine has available: not the sequence's
+        trial["meter"] = re.sub(r", RAM [^,]+$", "", trial["meter"] or "") or trial["meter"]
     winner = {key: summary[key] for key in ("status", "trials", "probes_run", "proven", "best", "best_file",
                                               "peak_bytes", "budget_bytes", "limit_bytes", "explanation",
                                               "excluded")}

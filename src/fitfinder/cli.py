@@ -31,6 +31,9 @@ JobArg = typer.Argument(..., help="AI Toolkit job file (YAML); it is never writt
 GpuOpt = typer.Option(None, "--gpu", help="Measure on this CUDA device (index); without it, the sim meter on "
                                            "the CPU (for tiny models: `estimate` predicts full-size ones).")
 VramOpt = typer.Option(None, "--vram", help="Memory budget, e.g. 24GiB (overrides `fitfinder: vram`).")
+RamOpt = typer.Option(None, "--ram", help="Host memory budget, e.g. 32GiB (overrides `fitfinder: ram`) [what the "
+                                          "machine has available now, less the margin].")
+RamNoneOpt = typer.Option(None, "--ram", help="Host memory budget, e.g. 32GiB (overrides `fitfinder: ram`) [none].")
 JsonOpt = typer.Option(False, "--json", help="End with one JSON object on stdout; progress goes to stderr.")
 NameArg = typer.Argument(..., help="Study name (as in studies/NAME.db and results/NAME/).", show_default=False)
 StorageOpt = typer.Option(None, "--storage", help="Optuna storage URL [sqlite:///studies/NAME.db].")
@@ -90,6 +93,7 @@ def search(
     job_file: Path = JobArg,
     gpu: Optional[str] = GpuOpt,
     vram: Optional[str] = VramOpt,
+    ram: Optional[str] = RamOpt,
     margin: Optional[float] = typer.Option(None, "--margin", help="Safety margin, share of the budget [0.05]."),
     trials: Optional[int] = typer.Option(None, "--trials", help="Stop after this many probes [40]."),
     probe_steps: Optional[int] = typer.Option(None, "--probe-steps", help="Training steps per probe [20]."),
@@ -132,8 +136,9 @@ def search(
     from fitfinder.units import format_bytes
 
     out = Output(json_output, fancy=False if worker else None)
-    job = _load(job_file, vram=vram, margin=margin, trials=trials, probe_steps=probe_steps, timeout=timeout,
-                script=script, arch=arch, trainer_command=trainer_command)
+    job = _load(job_file, vram=vram, ram=ram, margin=margin, trials=trials, probe_steps=probe_steps,
+                timeout=timeout, script=script, arch=arch, trainer_command=trainer_command)
+    _default_ram(job)
     _notes(out, job)
     trainer_check.check(job)  # a trainer command that cannot run: one line, before any probe
     budget_given = job.settings.vram_bytes is not None
@@ -186,6 +191,12 @@ def search(
         if summary.excluded:  # a point that could not be probed may fit
             raise RunFailed(f"no fit found in {format_bytes(summary.budget_bytes)} among the points that could be "
                             f"probed; {summary.proven_around()}{detail}; see their logs in {results_dir / name}/probes")
+        host = summary.host_walls()
+        if host:  # the host stopped some: say so, and which lever is the RAM's
+            raise RunFailed(f"does not fit: nothing fits in {format_bytes(summary.budget_bytes)} of the card and "
+                            f"{format_bytes(summary.ram_bytes)} of host memory{detail}; {len(host)} probe(s) ran "
+                            f"out of host memory (trial {', '.join(str(r.trial) for r in host[:5])}); try a larger "
+                            "--ram or --vram, or less offloading in the `fitfinder:` candidates")
         raise RunFailed(f"does not fit: nothing fits in {format_bytes(summary.budget_bytes)}{detail}; "
                         "try a larger --vram, or lighter candidates in the `fitfinder:` section "
                         f"(`fitfinder tiers {job.source}` predicts the smallest card that takes it)")
@@ -193,11 +204,18 @@ def search(
              space_.by_name[row["knob"]].label(row["chosen"]), row["verdict"],
              "" if row["forced_by"] is None else f"trial {row['forced_by']}"] for row in summary.explanation]
     out.table(["knob", "desired", "chosen", "outcome", "forced by"], rows)
+    host_peak = summary.best.host_peak_bytes
     out.line(f"best: {space_.describe(summary.best_point)}  peak {format_bytes(summary.best.peak_bytes)} "
-             f"of {format_bytes(summary.budget_bytes)}  ({summary.probes_run} probes"
+             f"of {format_bytes(summary.budget_bytes)}"
+             + (f", host {format_bytes(host_peak)} of {format_bytes(summary.ram_bytes)}"
+                if host_peak is not None and summary.ram_bytes else "")
+             + f"  ({summary.probes_run} probes"
              f"{'' if summary.finished else ', not proven: trial cap reached'}"
              f"{'; ' + summary.proven_around() if summary.excluded else ''})")
     _say_tight(out, space_, summary.closest_tight(), summary.budget_bytes, summary.limit_bytes, probed=True)
+    if summary.host_walls():
+        out.line(f"host memory stopped {len(summary.host_walls())} probe(s) (past --ram "
+                 f"{format_bytes(summary.ram_bytes)}): trial {', '.join(str(r.trial) for r in summary.host_walls())}")
     out.line(f"wrote {summary.best_file}")
     out.line(f"report: {report_file}")
 
@@ -208,6 +226,7 @@ def probe(
     job_file: Path = JobArg,
     gpu: Optional[str] = GpuOpt,
     vram: Optional[str] = VramOpt,
+    ram: Optional[str] = RamOpt,
     margin: Optional[float] = typer.Option(None, "--margin", help="Safety margin, share of the budget [0.05]."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Training steps [probe_steps, 20]."),
     timeout: Optional[float] = typer.Option(None, "--timeout", help="Seconds before the probe is killed [600]."),
@@ -232,15 +251,17 @@ def probe(
     from fitfinder.verdict import NO_FIT, Verdict
 
     out = Output(json_output)
-    job = _load(job_file, vram=vram, margin=margin, probe_steps=steps, timeout=timeout,
+    job = _load(job_file, vram=vram, ram=ram, margin=margin, probe_steps=steps, timeout=timeout,
                 names={"probe_steps": "--steps"}, script=script, arch=arch, trainer_command=trainer_command)
+    _default_ram(job)
     _notes(out, job)
     trainer_check.check(job)  # a trainer command that cannot run: one line, before any probe
     meter, gpus = _meter(gpu, job, out, need_budget=False)
     if meter == "sim":
         _refuse_full_size_on_the_cpu(job, force_option=False)
     gpu_index = gpus[0]
-    request = probing.request_for(job, job.settings.probe_steps, meter, job.settings.vram_bytes, gpu_index)
+    request = probing.request_for(job, job.settings.probe_steps, meter, job.settings.vram_bytes, gpu_index,
+                                  ram_bytes=job.settings.ram_bytes)
     result = trainer.one_probe_runner(job.settings).run(request)
     budget = job.settings.vram_bytes
     verdict = Verdict.of(result.get("peak_bytes"), budget, job.settings.margin)
@@ -249,9 +270,13 @@ def probe(
                           ran_out=True)
     elif result["status"] != "ok":
         verdict = Verdict(None, None, budget, job.settings.margin)
-    out.result({**result, **verdict.as_json()})
-    out.line(f"{result.get('meter') or meter}: {result['status']}"
-             + (f" in phase {result['phase']}" if result.get("phase") else ""))
+    host = _host_verdict(result.get("host_phases") or {}, job.settings.ram_bytes, result, budget, job.settings.margin)
+    verdict = host or verdict
+    out.result({**result, **verdict.as_json(), "reason": "host memory" if host else None})
+    described = result.get("meter") or meter
+    ram = job.settings.ram_bytes
+    out.line(f"{described}{f', RAM {format_bytes(ram)}' if ram and 'RAM' not in described else ''}: "
+             f"{result['status']}" + (f" in phase {result['phase']}" if result.get("phase") else ""))
     if "trainer_run" in result:
         _print_trainer_probe(out, result, meter)
     else:
@@ -263,12 +288,35 @@ def probe(
                  "(CUDA context, libraries, other processes on the card)")
     out.line(f"peak {usage_bar(result.get('peak_bytes'), job.settings.vram_bytes)}"
              + (f", {result['seconds_per_step']:.3f} s/step" if result.get("seconds_per_step") else ""))
+    if result.get("host_phases"):
+        out.line(f"host peak {usage_bar(max(result['host_phases'].values()), ram)}")
     if result.get("error"):
         out.line(result["error"])
     if verdict.verdict is not None:
         out.line(verdict.headline())
     if result["status"] in ("error", "timeout") or verdict.exit_code:
         raise typer.Exit(1)
+
+
+def _host_verdict(host_phases: dict, ram_bytes: Optional[int], result: dict, budget: Optional[int], margin: float):
+    """Does not fit for host memory: the probe ran out of it (MemoryError, the OOM killer: oom_kind
+    host), or a phase's host peak passed the RAM budget (judged afterwards, as the estimate and
+    the cuda meter leave it); None when the host is not the wall."""
+    from fitfinder.units import format_bytes
+    from fitfinder.verdict import NO_FIT, Verdict
+
+    if result.get("oom_kind") == "host":
+        phase = result.get("phase")
+        summary = f"it ran out of host memory in {phase or 'the probe'}" + (
+            f" (RAM {format_bytes(ram_bytes)})" if ram_bytes else "")
+    else:
+        phase = next((name for name, peak in host_phases.items() if ram_bytes and peak > ram_bytes), None)
+        if phase is None:
+            return None
+        summary = (f"host memory: {phase} holds {format_bytes(host_phases[phase])} of host memory, "
+                   f"{format_bytes(host_phases[phase] - ram_bytes)} past the RAM budget of {format_bytes(ram_bytes)}")
+    return Verdict(NO_FIT, result.get("peak_bytes"), budget, margin, phase=phase,
+                   summary=summary if summary.startswith("host memory") else f"host memory: {summary}")
 
 
 def _print_trainer_probe(out, result, meter: str) -> None:
@@ -294,6 +342,7 @@ def _print_trainer_probe(out, result, meter: str) -> None:
 def estimate(
     job_file: Path = JobArg,
     vram: Optional[str] = VramOpt,
+    ram: Optional[str] = RamNoneOpt,
     margin: Optional[float] = typer.Option(None, "--margin", help="Safety margin, share of the budget [0.05]."),
     card: Optional[str] = typer.Option(None, "--card", help="Use the GPU overhead `fitfinder calibrate` measured "
                                                             "on this card (its name or part of it) [defaults]."),
@@ -321,7 +370,7 @@ def estimate(
     from fitfinder.results.output import Output
 
     out = Output(json_output)
-    job = _load(job_file, vram=vram, margin=margin, trials=trials, timeout=timeout, script=script, arch=arch)
+    job = _load(job_file, vram=vram, ram=ram, margin=margin, trials=trials, timeout=timeout, script=script, arch=arch)
     _notes(out, job)
     if card is not None and no_overhead:
         raise UserError("--card and --no-overhead contradict each other: give one of them")
@@ -333,7 +382,13 @@ def estimate(
         return
     found = estimating.run(job, runner, model)
     verdict = estimating.explain(job, found, model)
-    out.result({**found.as_json(), **verdict.as_json()})
+    host_phases = {name: stats["peak_host"] for name, stats in found.phase_stats.items() if "peak_host" in stats}
+    host = _host_verdict(host_phases, job.settings.ram_bytes, {"peak_bytes": found.peak_bytes}, found.budget_bytes,
+                         job.settings.margin)
+    verdict = host or verdict
+    out.result({**found.as_json(), **verdict.as_json(), "ram_bytes": job.settings.ram_bytes,
+                "host_phases": host_phases, "host_peak_bytes": max(host_phases.values(), default=None),
+                "reason": "host memory" if host else None})
     _print_estimate(out, job, found, verdict)
     if verdict.exit_code:
         raise typer.Exit(verdict.exit_code)
@@ -342,7 +397,9 @@ def estimate(
 def _print_estimate(out, job, found, verdict) -> None:
     from fitfinder.units import format_bytes
 
-    out.line(f"estimate of {job.source} ({found.arch_name}), {found.overhead.describe()}")
+    ram = job.settings.ram_bytes
+    out.line(f"estimate of {job.source} ({found.arch_name}), {found.overhead.describe()}"
+             + (f", RAM {format_bytes(ram)}" if ram else ""))
     _note_assumptions(out, job)
     budget = found.budget_bytes
     rows = [[name, format_bytes(stats["peak_live"]), format_bytes(stats["peak_allocated"]),
@@ -399,7 +456,9 @@ def _estimate_search(job, runner, model, out) -> None:
 
     def on_estimate(space, result, budget) -> None:
         verdict = judge(result.peak_bytes, budget, job.settings.margin)
-        if verdict == NO_FIT:
+        if result.wall_reason:  # in the card, over the RAM budget
+            verdict = f"{NO_FIT} in {result.host_failed_phases[0]}: {result.wall_reason}"
+        elif verdict == NO_FIT:
             verdict += " in " + next(p for p, peak in result.phases.items() if peak > budget)
         stage = result.extra.get("purpose") or ""
         card = "" if budget == job.settings.vram_bytes else f"{format_bytes(budget)} card  "
@@ -407,7 +466,8 @@ def _estimate_search(job, runner, model, out) -> None:
                  f"{usage_bar(result.peak_bytes, budget)}")
 
     out.note(f"estimating the search of {job.source}: {model.describe()}; "
-             f"budget {format_bytes(job.settings.vram_bytes)}")
+             f"budget {format_bytes(job.settings.vram_bytes)}"
+             + (f", RAM {format_bytes(job.settings.ram_bytes)}" if job.settings.ram_bytes else ""))
     found = estimated.search(job, runner, model, on_estimate)
     space = found.space
     if found.best is None and not found.proven:  # stopped by --trials: nothing is proven not to fit
@@ -446,6 +506,7 @@ def _estimate_search(job, runner, model, out) -> None:
 def tiers(
     job_file: Path = JobArg,
     cards: str = typer.Option("8,12,16,24,32,48,80,96", "--cards", help="Card sizes in GiB, as sold."),
+    ram: Optional[str] = RamNoneOpt,
     margin: Optional[float] = typer.Option(None, "--margin", help="Safety margin, share of the budget [0.05]."),
     card: Optional[str] = typer.Option(None, "--card", help="Use the GPU overhead `fitfinder calibrate` measured "
                                                             "on this card (its name or part of it) [defaults]."),
@@ -470,7 +531,7 @@ def tiers(
     from fitfinder.units import format_bytes
 
     out = Output(json_output)
-    job = _load(job_file, margin=margin, timeout=timeout, script=script, arch=arch)
+    job = _load(job_file, ram=ram, margin=margin, timeout=timeout, script=script, arch=arch)
     _notes(out, job)
     sizes = tiering.parse_cards(cards)
     if card is not None and no_overhead:
@@ -479,10 +540,14 @@ def tiers(
         overhead.for_card(card) if card is not None else overhead.GpuOverhead())
     out_dir = results_dir / _study_name(study or job.name)
     _check_outputs(job, out_dir, None, outputs.TIERS)  # before the estimates, not after them
-    out.note(f"estimating {job_file} for {len(sizes)} card sizes: {model.describe()}")
+    ram = job.settings.ram_bytes
+    out.note(f"estimating {job_file} for {len(sizes)} card sizes: {model.describe()}"
+             + (f"; RAM {format_bytes(ram)}" if ram else ""))
 
     def on_tier(space, tier) -> None:
-        found = (f"fits: peak {format_bytes(tier.peak_bytes)}  {tier.differs or 'the job as written'}" if tier.point
+        found = (f"fits: peak {format_bytes(tier.peak_bytes)}, host {format_bytes(tier.host_peak_bytes)}  "
+                 f"{tier.differs or 'the job as written'}" if tier.point
+                 else f"does not fit: host memory (needs {format_bytes(tier.needs_ram_bytes)})" if tier.needs_ram_bytes
                  else "does not fit" if tier.proven else "none found before the estimate cap")
         out.note(f"{tier.label}: {found}")
 
@@ -501,7 +566,11 @@ def tiers(
     out.result({**table.as_json(), "verdict": "fits" if fitted else verdict.verdict if verdict else None,
                 "would_take": verdict.would_take.as_json() if verdict else None,
                 "tiers_json": str(path), "written": [str(p) for p in written]})
-    out.table(["card", "peak", "differs from the job file", "given up"], tiering.rows(table.as_json()["tiers"]))
+    out.table(list(tiering.ROW_HEADER), tiering.rows(table.as_json()["tiers"]))
+    short = [tier for tier in table.tiers if tier.needs_ram_bytes]
+    if short:  # in the card, not in the host: what the RAM would have to be
+        out.line(f"need more RAM than the {format_bytes(job.settings.ram_bytes)} given: "
+                 + ", ".join(f"{tier.label} ({format_bytes(tier.needs_ram_bytes)})" for tier in short))
     out.line(f"({table.estimates_run} estimates, {table.recalled} points recalled from their phases, "
              f"{table.seconds:.0f} s; predictions: confirm a tier with `fitfinder search` on its card)")
     out.line(f"wrote {path}" + (f" and {len(written)} job files in {out_dir / 'tiers'}" if written else ""))
@@ -690,7 +759,7 @@ def _short(value) -> str:
 
 
 def _load(job_file: Path, vram: Optional[str] = None, names: Optional[dict] = None, script: Optional[str] = None,
-          arch: Optional[str] = None, **options):
+          arch: Optional[str] = None, ram: Optional[str] = None, **options):
     """Read and validate the job file, in its trainer's form (fitfinder.trainers.load), then let
     command-line options win over `fitfinder:` (`names`: an option's name where it is not --key-with-dashes)."""
     from fitfinder import trainers
@@ -701,8 +770,21 @@ def _load(job_file: Path, vram: Optional[str] = None, names: Optional[dict] = No
     overrides = {key: value for key, value in options.items() if key != "timeout"}
     overrides["probe_timeout"] = options.get("timeout")
     overrides["vram_bytes"] = parse_budget(vram, "--vram") if vram is not None else None
+    overrides["ram_bytes"] = parse_budget(ram, "--ram") if ram is not None else None
     job.settings = job.settings.with_options(**overrides)
     return job
+
+
+def _default_ram(job) -> None:
+    """Without --ram or `fitfinder: ram`, a search or probe holds the host to what this machine has
+    available as it starts (MemAvailable), less the same margin as the card: past it the kernel's
+    OOM killer ends the trainer (issue 32). Nothing where /proc/meminfo cannot be read."""
+    from fitfinder.probe import preflight
+
+    if job.settings.ram_bytes is None:
+        available = preflight.ram_available()
+        if available:
+            job.settings.ram_bytes = int(available * (1 - job.settings.margin))
 
 
 def _notes(out, job) -> None:

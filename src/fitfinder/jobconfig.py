@@ -137,6 +137,9 @@ class Settings:
     """fitfinder's own settings: the `fitfinder:` section, then command-line options on top."""
 
     vram_bytes: int | None = None
+    # The host's budget (--ram, `fitfinder: ram`): a point whose host peak passes it does not fit.
+    # None: no host budget (estimate, tiers), or the machine's available memory (search, probe: cli).
+    ram_bytes: int | None = None
     margin: float = 0.05
     probe_steps: int = 20
     probe_timeout: float = 600.0
@@ -693,6 +696,7 @@ def _read_settings(section: Any) -> tuple[Settings, list[str]]:
     problems: list[str] = []
     readers = {
         "vram": ("vram_bytes", lambda v: parse_budget(v, "fitfinder.vram")),
+        "ram": ("ram_bytes", lambda v: parse_budget(v, "fitfinder.ram")),
         "margin": ("margin", lambda v: _in_range(v, 0.0, 0.9, "fitfinder.margin", float)),
         "probe_steps": ("probe_steps", lambda v: _in_range(v, 1, 100000, "fitfinder.probe_steps", int)),
         "probe_timeout": ("probe_timeout",

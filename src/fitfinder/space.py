@@ -48,6 +48,15 @@ QUALITY_ORDER = ("buckets", "frames", "rank", "quantize", "optimizer", "ema",
 # depends on it, and the search's tie-break takes the least offloading that fits
 # (search.planner.best), since the sim meter's host-to-device copies cost no real time.
 SPEED_ORDER = ("gradient_checkpointing", "batch", "low_vram", "layer_offloading")
+# How a knob's levels weigh on the host (issue 32): "same" as on the device (more of it, more host memory,
+# where it changes the host at all: a larger batch caches more latents there); "reversed" for the levers
+# that move memory from the card to the host (low_vram loads and quantizes in host memory, offloaded layers
+# wait there pinned), whose lightest level on the card is the heaviest on the host; "unordered" where
+# neither way holds for sure (quantization: the full-precision weights read in host memory before they
+# shrink, under low_vram or not; cached embeddings on the host against an encoder unloaded there).
+HOST_ORDERS = ("same", "reversed", "unordered")
+HOST_ORDER = {"low_vram": "reversed", "layer_offloading": "reversed", "quantize": "unordered",
+              "text_encoder": "unordered"}
 
 
 @dataclass(frozen=True)
@@ -64,9 +73,14 @@ class Knob:
     title: str = ""
     labeler: Callable[[Any], str] | None = field(default=None, compare=False)
     writer: Callable | None = field(default=None, compare=False)
+    host: str = ""  # its HOST_ORDERS entry; "" for HOST_ORDER's by its name ("same" when it has none)
 
     def level(self, value: Any) -> int:
         return self.candidates.index(value)
+
+    @property
+    def host_order(self) -> str:
+        return self.host or HOST_ORDER.get(self.name, "same")
 
     def label(self, value: Any) -> str:
         return self.labeler(value) if self.labeler else _LABELS.get(self.name, str)(value)
@@ -135,6 +149,27 @@ class Space:
             if unordered and a[knob.name] != b[knob.name]:
                 return False
             if knob.level(a[knob.name]) < knob.level(b[knob.name]):
+                return False
+        return True
+
+    def host_heavier_or_equal(self, a: Point, b: Point, phase: str | None = None) -> bool:
+        """True when `a` needs at least as much host memory as `b` in `phase` (in every phase if None).
+
+        Each knob by its host order (Knob.host_order): a "same" knob as on the device, a "reversed"
+        one the other way (more offloading, more host), an "unordered" one only when equal. A knob
+        counts in the phases it changes on the device: what it moves between the two sides
+        changes both in the same phases.
+        """
+        for knob in self.knobs:
+            if phase is not None and phase not in knob.phases:
+                continue
+            mine, theirs = knob.level(a[knob.name]), knob.level(b[knob.name])
+            order = knob.host_order
+            unordered = knob.unordered if phase is None else knob.unordered & {phase}
+            if order == "unordered" or (order == "same" and unordered):
+                if mine != theirs:
+                    return False
+            elif (mine > theirs) if order == "reversed" else (mine < theirs):
                 return False
         return True
 

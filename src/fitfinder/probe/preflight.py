@@ -149,6 +149,19 @@ def read_card(index: int) -> CardReading:
         pynvml.nvmlShutdown()
 
 
+def ram_available(meminfo: str = "/proc/meminfo") -> int | None:
+    """What the machine can give a new process without swapping, now (MemAvailable, which the
+    kernel estimates from free memory and the page cache it can drop); None where it cannot be read."""
+    try:
+        text = Path(meminfo).read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024  # kB
+    return None
+
+
 def allocation_test(index: int, nbytes: int = TEST_ALLOCATION_BYTES, timeout: float = TEST_TIMEOUT_S) -> AllocationTest:
     """Allocate `nbytes` and run one cuBLAS product on the card, in a subprocess that then exits."""
     script = Path(__file__).with_name("_alloc_check.py")

@@ -97,6 +97,7 @@ class ProbeRequest(TypedDict):
     steps: int
     meter: Meter
     budget_bytes: Optional[int]
+    ram_bytes: NotRequired[int]  # the host's budget: the sim meter raises MemoryError past it (--ram)
     gpu: int
     seed: int
     tiled_preview_decode: NotRequired[bool]  # previews decode with the VAE tiled (Family.tiled_preview_decode)
@@ -130,9 +131,11 @@ class ProbeResult(TypedDict, total=False):
     steps_run: Optional[int]
     error: Optional[str]
     traceback: str  # an error that is not an out-of-memory
-    oom_kind: Optional[str]  # oom.classify: config or environment
+    oom_kind: Optional[str]  # oom.classify: config, environment or host (the machine's RAM ran out)
     meter: str  # the meter, described
     budget_bytes: Optional[int]
+    ram_bytes: Optional[int]  # the request's host budget
+    host_phases: dict[str, int]  # phase -> host peak bytes (the process and its host tensors)
     outside_bytes: Optional[int]  # cuda: memory outside PyTorch's allocator (in every peak); estimate: the context
     replayed: dict[str, int]  # estimate: blocks and updates replayed instead of run, by kind (meters.EstimateMeter)
     max_rss_bytes: int  # host memory of the probe process at its highest

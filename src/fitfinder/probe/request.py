@@ -23,10 +23,19 @@ SAMPLE_STEPS = 2
 
 
 def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int = 0,
-                spec: dict | None = None, fault: str | None = None) -> ProbeRequest:
+                spec: dict | None = None, fault: str | None = None, ram_bytes: int | None = None) -> ProbeRequest:
     """Everything a probe needs, read from the job file with AI Toolkit's defaults (`spec`: the
     model, when the caller has it another way, such as an estimate's weightless architecture;
-    `fault`: a test hook's injected failure, see probe.faults). The one place a request is built."""
+    `fault`: a test hook's injected failure, see probe.faults; `ram_bytes`: the host's budget,
+    which the sim meter enforces). The one place a request is built."""
+    request = _request(job, steps, meter, budget_bytes, gpu, spec, fault)
+    if ram_bytes is not None:
+        request["ram_bytes"] = int(ram_bytes)
+    return request
+
+
+def _request(job, steps: int, meter: str, budget_bytes: int | None, gpu: int, spec: dict | None,
+             fault: str | None) -> ProbeRequest:
     if hasattr(job, "probe_request"):  # a trainer's job maps itself, by its trainer's rules (trainers/)
         return job.probe_request(steps=steps, meter=meter, budget_bytes=budget_bytes, gpu=gpu, spec=spec,
                                  fault=fault, sample_steps=SAMPLE_STEPS)
@@ -96,7 +105,7 @@ def quant_types(job, family) -> tuple[str, str]:
 # same tensors in each phase (a study compares everything else, search.study.job_signature). The
 # user's trainer that runs it (probe/trainer.py) is recorded beside, as the study's `trainer_command`;
 # the point's job it carries says again what the request says.
-RUN_FIELDS = ("steps", "meter", "budget_bytes", "gpu", "seed", "fault", "overhead", "prime_optimizer",
+RUN_FIELDS = ("steps", "meter", "budget_bytes", "ram_bytes", "gpu", "seed", "fault", "overhead", "prime_optimizer",
               "trainer_run", "trainer_job")
 
 

@@ -38,6 +38,8 @@ class Probe:
     start: datetime | None = None
     end: datetime | None = None
     error: str | None = None
+    host_peak_bytes: int | None = None  # the host's peak over the probe's phases (issue 32)
+    reason: str = ""  # why it did not fit, where it is not the card: "host memory"
 
 
 def memory_unit(*sizes: int | None) -> tuple[str, int]:
@@ -237,6 +239,32 @@ def phase_bars(groups: list[tuple[str, dict[str, int]]], phase_order: tuple[str,
     fig.update_xaxes(title_text="probe phase", type="category")
     fig.update_layout(template=_TEMPLATE, barmode="group", height=380,
                       margin={"t": 30, "b": 40, "l": 60, "r": 20}, legend={"orientation": "h", "y": -0.25})
+    return fig
+
+
+def host_beside_device(probes: list[Probe], budget: int | None, ram: int | None):
+    """Two panels over the trials: each probe's device peak, and beside it its host peak (the
+    process and the tensors it holds in host memory) against the RAM budget."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    measured = [p for p in probes if p.peak_bytes is not None or p.host_peak_bytes is not None]
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.08, subplot_titles=["device peak", "host peak"])
+    for col, (values, line, label) in enumerate(((lambda p: p.peak_bytes, budget, "budget"),
+                                                 (lambda p: p.host_peak_bytes, ram, "RAM budget")), start=1):
+        unit = memory_unit(line, *(values(p) for p in measured))
+        fig.add_trace(go.Bar(
+            x=[f"#{p.number}" for p in measured],
+            y=[values(p) / unit[1] if values(p) is not None else None for p in measured],
+            marker={"color": [OUTCOME_COLORS.get(p.outcome, "#7f7f7f") for p in measured]}, showlegend=False,
+            hovertext=[f"trial {p.number}: {p.outcome}{' (' + p.reason + ')' if p.reason else ''}<br>"
+                       f"{format_bytes(values(p))}" for p in measured], hoverinfo="text"), row=1, col=col)
+        if line:
+            fig.add_hline(y=line / unit[1], line_color="#333", line_width=1, row=1, col=col,
+                          annotation_text=f"{label} {format_bytes(line)}", annotation_position="top left")
+        fig.update_yaxes(title_text=f"peak ({unit[0]})", row=1, col=col)
+        fig.update_xaxes(type="category", title_text="trial", row=1, col=col)
+    fig.update_layout(template=_TEMPLATE, height=380, margin={"t": 50, "b": 40, "l": 60, "r": 20})
     return fig
 
 

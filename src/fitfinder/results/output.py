@@ -37,17 +37,21 @@ class TrialRow:
     error: str | None
     purpose: str = ""  # the plan's stage: base, rollback, quality, speed, confirm
     estimated: bool = False  # decided by the search's pre-screen, not probed
+    reason: str = ""  # why it does not fit where the card is not the wall: "host memory"
 
     @classmethod
     def of(cls, space, result, budget_bytes: int | None, purpose: str = "") -> "TrialRow":
         """From a search result: a probe that ran reads as its verdict (verdict.py): `fits` under
         the limit, `tight` under the budget but past the limit; one that did not, as its status
         (`oom` in its phase, `error`, `timeout`)."""
-        status = result.status
-        if status == "ok":
+        status, phase = result.status, result.phase if result.status != "ok" else None
+        reason = getattr(result, "wall_reason", "")
+        if status == "ok" and reason:  # in the card, over the RAM budget
+            status, phase = NO_FIT, next(iter(result.host_failed_phases), None)
+        elif status == "ok":
             status = of_probe(status, result.verdict == "fit", result.peak_bytes, budget_bytes)
         return cls(number=result.trial, knobs={k.short: k.label(result.point[k.name]) for k in space.knobs},
-                   status=status, phase=result.phase if result.status != "ok" else None,
+                   status=status, phase=phase, reason=reason,
                    peak_bytes=result.peak_bytes, budget_bytes=budget_bytes,
                    seconds_per_step=result.extra.get("seconds_per_step"), error=result.error, purpose=purpose,
                    estimated=bool(result.extra.get("estimated")))
@@ -55,7 +59,8 @@ class TrialRow:
     def plain(self) -> str:
         """`trial   3  buckets=[256,384,512] rank=16 ...  fits  5.31 MiB / 5.8 MiB [#########-] 92%  0.078 s/step`"""
         knobs = " ".join(f"{name}={label}" for name, label in self.knobs.items())
-        where = (f" in {self.phase}" if self.phase else "") + (" (estimated, not probed)" if self.estimated else "")
+        where = (f" in {self.phase}" if self.phase else "") + (f": {self.reason}" if self.reason else "") \
+            + (" (estimated, not probed)" if self.estimated else "")
         speed = f"{self.seconds_per_step:.3f} s/step" if self.seconds_per_step else ""
         stage = f"{self.purpose:<9} " if self.purpose else ""
         text = (f"trial {self.number:3d}  {stage}{knobs}  {self.status}{where}  "
@@ -205,7 +210,8 @@ class _Board:
         table.add_column("s/step", justify="right")
         for row in rows:
             style = _STATUS_STYLE.get(row.status, "")
-            status = row.status + (f" in {row.phase}" if row.phase else "") + (" (estimated)" if row.estimated else "")
+            status = (row.status + (f" in {row.phase}" if row.phase else "") + (f": {row.reason}" if row.reason else "")
+                      + (" (estimated)" if row.estimated else ""))
             table.add_row(str(row.number), row.purpose, *(Text(label) for label in row.knobs.values()),
                           Text(status, style=style or None), _bar(row, style),
                           f"{row.seconds_per_step:.3f}" if row.seconds_per_step else "")

@@ -63,7 +63,7 @@ def export_best(job: JobFile, space: Space, point: Point, out_dir: Path, facts: 
 
 def write_trials_csv(study, space: Space, path: Path) -> Path:
     """One row per trial: its knobs, what the probe found, and how the search read it."""
-    columns = ["trial", "state", "status", *space.names, "peak_bytes", "limit_bytes", "phase",
+    columns = ["trial", "state", "status", *space.names, "peak_bytes", "host_peak_bytes", "limit_bytes", "phase",
                "seconds_per_step", "seconds_per_sample", "verdict", "wall_seconds", "error"]
     buffer = io.StringIO()
     writer = csv.writer(buffer)
@@ -74,8 +74,9 @@ def write_trials_csv(study, space: Space, path: Path) -> Path:
         writer.writerow([
             trial.number, trial.state.name, attrs.get("status", ""),
             *(point.get(name, "") for name in space.names),
-            *(_blank(attrs.get(key)) for key in ("peak_bytes", "limit_bytes", "phase", "seconds_per_step",
-                                                 "seconds_per_sample", "verdict", "wall_seconds", "error")),
+            *(_blank(attrs.get(key)) for key in ("peak_bytes", "host_peak_bytes", "limit_bytes", "phase",
+                                                 "seconds_per_step", "seconds_per_sample", "verdict", "wall_seconds",
+                                                 "error")),
         ])
     write_atomic(path, buffer.getvalue())
     return path
@@ -152,7 +153,8 @@ def open_study(name: str, studies_dir: Path, storage: str | None, job_path: Path
                         "changed); give the job file it was made from with --job PATH")
     budget, margin = studies.budget_of(study)
     limit = int(budget * (1 - margin)) if budget else None
-    known = studies.load_knowledge(study, space, limit)
+    ram = attrs.get("ram_bytes")  # the last search's host budget
+    known = studies.load_knowledge(study, space, limit, ram if isinstance(ram, int) and ram > 0 else None)
     return StudyView(name, storage, study, space, known, budget, margin, limit, str(attrs.get("meter", "")))
 
 
@@ -225,6 +227,13 @@ def write_report(study, space: Space, known, out_dir: Path, summary: dict[str, A
             "Peak of each phase: " + (" against ".join(label.split(",")[0] for label, _ in groups[::-1])),
             "The highest memory in use during each phase of the probe.",
             _plots.phase_bars(groups, PHASES, budget, limit), "phases"))
+    if any(p.host_peak_bytes is not None for p in probes):
+        sections.append(_figure_section(
+            "Host memory beside the card",
+            "Each probe's device peak and, beside it, its host peak: the probe's process and the tensors it holds "
+            "in host memory (offloaded layers, a part loaded or quantized there, cached latents and embeddings). "
+            "A point whose host peak passes the RAM budget does not fit (host memory).",
+            _plots.host_beside_device(probes, budget, known.ram_bytes), "host"))
     sections.append(_figure_section("Timeline of the probes", "Each probe from its start to its end.",
                                     _plots.timeline(space, probes), "timeline"))
     sections.append(_trials_section(space, probes, budget))
@@ -243,6 +252,7 @@ def probes_of(study, known) -> list:
 
 
     verdicts = {r.trial: r.verdict for r in known.results}
+    reasons = {r.trial: r.wall_reason for r in known.results}
     probes = []
     for trial in studies.trials_of(study):
         attrs = trial.user_attrs
@@ -253,6 +263,8 @@ def probes_of(study, known) -> list:
             attrs = {key: value for key, value in attrs.items() if key in ("status", "error")}
         if trial.state == TrialState.RUNNING:
             outcome = "running"
+        elif status == "ok" and reasons.get(trial.number):
+            outcome = "oom"  # in the card, over the RAM budget: does not fit, for host memory
         elif status == "ok":
             outcome = FITS if verdicts.get(trial.number) == "fit" else TIGHT
         elif status in ("oom", "timeout"):
@@ -264,6 +276,8 @@ def probes_of(study, known) -> list:
             peak_bytes=attrs.get("peak_bytes"), phases=attrs.get("phases") or {}, phase=attrs.get("phase"),
             seconds_per_step=attrs.get("seconds_per_step"), start=trial.datetime_start,
             end=trial.datetime_complete, error=attrs.get("error"),
+            host_peak_bytes=max((attrs.get("host_phases") or {}).values(), default=None),
+            reason=reasons.get(trial.number) or ("host memory" if attrs.get("oom_kind") == "host" else ""),
         ))
     return probes
 
@@ -276,7 +290,8 @@ def _phase_facts(result) -> dict[str, Any] | None:
     if result is None:
         return None
     return {"trial": result.trial, "point": result.point, "status": result.status,
-            "peak_bytes": result.peak_bytes, "phases": result.phases}
+            "peak_bytes": result.peak_bytes, "phases": result.phases,
+            "host_peak_bytes": result.host_peak_bytes, "host_phases": result.host_phases}
 
 
 # -- the page ------------------------------------------------------------------------------------
@@ -292,6 +307,8 @@ def _facts_section(study, space: Space, known, summary: dict[str, Any], winner) 
         ("meter", attrs.get("meter", "-")),
         ("budget", f"{format_bytes(budget)}, limit {format_bytes(known.limit_bytes)} after the "
                    f"{float(attrs.get('margin', 0)):.0%} margin" if budget else "the whole card"),
+        ("RAM", f"{format_bytes(known.ram_bytes)} of host memory (a point whose host peak passes it does not fit)"
+                if known.ram_bytes else "not judged"),
         ("space", f"{len(space.knobs)} knobs, {space.size()} points"),
         ("probes", f"{len(known.results)} (" + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) + ")"
                    if known.results else "none yet"),
@@ -347,8 +364,8 @@ def _tiers_section(found: dict[str, Any]) -> str:
     return ("<section id='tiers'><h2>Card sizes: the best configuration predicted to fit each</h2>"
             f"<p class='note'>From <code>fitfinder tiers</code> on estimates ({_e(found.get('overhead'))}; "
             f"{_e(found.get('estimates'))} estimates), not probes: confirm a tier on its card.</p>"
-            "<table class='grid'><tr><th>card</th><th>peak</th><th>differs from the job file</th>"
-            "<th>given up</th></tr>" + body + "</table></section>")
+            "<table class='grid'><tr>" + "".join(f"<th>{_e(name)}</th>" for name in tiers.ROW_HEADER)
+            + "</tr>" + body + "</table></section>")
 
 
 def _figure_section(title: str, note: str, fig, div_id: str) -> str:
@@ -363,13 +380,14 @@ def _trials_section(space: Space, probes: list, budget: int | None) -> str:
             f"<tr class='{p.outcome.replace(' ', '-')}'><td>{p.number}</td>"
             + "".join(f"<td>{_e(k.label(p.point[k.name])) if p.point and k.name in p.point else ''}</td>"
                       for k in space.knobs)
-            + f"<td>{_e(p.outcome)}{_e(' in ' + p.phase) if p.phase and p.outcome != FITS else ''}</td>"
-            f"<td>{_e(format_bytes(p.peak_bytes))}{share}</td>"
+            + f"<td>{_e(p.outcome)}{_e(' in ' + p.phase) if p.phase and p.outcome != FITS else ''}"
+            f"{_e(' (' + p.reason + ')') if p.reason else ''}</td>"
+            f"<td>{_e(format_bytes(p.peak_bytes))}{share}</td><td>{_e(format_bytes(p.host_peak_bytes))}</td>"
             f"<td>{f'{p.seconds_per_step:.3f}' if p.seconds_per_step else ''}</td>"
             f"<td class='error'>{_e((p.error or '')[:200])}</td></tr>")
     head = "".join(f"<th>{_e(k.name)}</th>" for k in space.knobs)
     return ("<section><h2>All trials</h2><table class='grid'><tr><th>trial</th>" + head
-            + "<th>outcome</th><th>peak</th><th>s/step</th><th>error</th></tr>" + "".join(rows)
+            + "<th>outcome</th><th>peak</th><th>host peak</th><th>s/step</th><th>error</th></tr>" + "".join(rows)
             + "</table><p class='note'>Also in trials.csv and summary.json beside this file.</p></section>")
 
 

@@ -134,13 +134,15 @@ class EstimateSearch:
                 "best": best.point if best else None,
                 "peak_bytes": best.peak_bytes if best else None, "phases": best.phases if best else None,
                 "budget_bytes": self.budget_bytes, "limit_bytes": self.limit_bytes,
+                "ram_bytes": self.known.ram_bytes, "host_peak_bytes": best.host_peak_bytes if best else None,
+                "host_phases": best.host_phases if best else None,
                 "estimates": self.estimates_run, "proven": self.proven,
                 "also_fit": [r.point for r in self.alternatives],
                 "explanation": planner.explain(self.space, self.known, best.point) if best else []}
 
 
 def search(job, runner, overhead: GpuOverhead, on_estimate=None, estimator: Estimator | None = None,
-           budget_bytes: int | None = None) -> EstimateSearch:
+           budget_bytes: int | None = None, judge_host: bool = True) -> EstimateSearch:
     """The search's planner (planner.drive), each planned point estimated instead of probed.
 
     Nothing is written to studies/: a study holds measurements, and a later real search resuming
@@ -149,13 +151,13 @@ def search(job, runner, overhead: GpuOverhead, on_estimate=None, estimator: Esti
     its error (the next point would fail the same way). Speed is not estimated: among the points
     of the best quality, every speed setting predicted to fit is reported. `estimator` shares
     estimates between searches of the same job at several budgets (`budget_bytes`, default the
-    job's).
+    job's). With `judge_host` (the default) host peaks are held to the job's RAM budget, if it has one.
     """
     estimator = estimator or Estimator(job, runner, overhead)
     space = estimator.space
     budget = budget_bytes or job.settings.vram_bytes
     limit = limit_of(budget, job.settings.margin)
-    known = planner.Knowledge(space, limit)
+    known = planner.Knowledge(space, limit, job.settings.ram_bytes if judge_host else None)
     runs_before = estimator.runs
 
     def estimate_step(step) -> None:
@@ -175,8 +177,13 @@ def _as_result(trial: int, step, found: Estimate):
     """An estimate as the planner's Result: every phase's peak, judged against the limit as a
     probe that ran would be (a phase over the limit rules out what is heavier on its knobs)."""
     return planner.Result(trial=trial, point=step.point, status="ok", peak_bytes=found.peak_bytes, phases=found.phases,
-                  confirm=step.purpose == "confirm",
+                  host_phases=host_phases(found.phase_stats), confirm=step.purpose == "confirm",
                   extra={"purpose": step.purpose, "estimated": True, "seconds": found.seconds})
+
+
+def host_phases(phase_stats: dict[str, Any]) -> dict[str, int]:
+    """Each phase's host peak (`peak_host`: the process and its host tensors) from a result's phase stats."""
+    return {name: int(stats["peak_host"]) for name, stats in phase_stats.items() if stats.get("peak_host") is not None}
 
 
 def _fastest_candidates(space, known, best):

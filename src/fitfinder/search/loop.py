@@ -13,7 +13,7 @@ from typing import Any
 from fitfinder import models, space as spaces
 from fitfinder.probe import faults
 from fitfinder.search import estimated, outputs, study as studies, worker as workers
-from fitfinder.search.planner import ATTEMPTS, Knowledge, Result, best, best_tight, explain, plan
+from fitfinder.search.planner import ATTEMPTS, HOST_MEMORY, Knowledge, Result, best, best_tight, explain, plan
 from fitfinder.space import Point, Space
 from fitfinder.units import format_bytes
 from fitfinder.verdict import FITS, NO_FIT
@@ -58,6 +58,7 @@ class SearchSummary:
     margin: float = 0.0
     meter: str = ""
     trial_cap: int | None = None  # the search's --trials, for best.yaml's header when not proven
+    ram_bytes: int | None = None  # the host's budget the results were judged against
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -68,10 +69,18 @@ class SearchSummary:
             "peak_bytes": self.best.peak_bytes if self.best else None,
             "seconds_per_sample": self.best.seconds_per_sample if self.best else None,
             "budget_bytes": self.budget_bytes, "limit_bytes": self.limit_bytes,
+            "ram_bytes": self.ram_bytes, "host_peak_bytes": self.best.host_peak_bytes if self.best else None,
+            "phase_peaks": phase_peaks(self.best) if self.best else None,
+            "host_walls": [{"trial": r.trial, "point": r.point, "phases": list(r.host_failed_phases),
+                            "reason": HOST_MEMORY} for r in self.host_walls()],
             "explanation": self.explanation,
             "excluded": [{"trial": r.trial, "point": r.point, "error": (r.error or "")[:300]} for r in self.excluded],
             "proven_around": self.proven_around(),  # '' when the proof is whole; the CLI and the report say it
         }
+
+    def host_walls(self) -> list[Result]:
+        """The probes that did not fit only because the host ran out (or passed the RAM budget)."""
+        return [r for r in (self.known.results if self.known else []) if r.wall_reason == HOST_MEMORY]
 
     def closest_tight(self) -> Result | None:
         """The highest-quality probe that ran under the budget but past the limit (tight: a
@@ -95,6 +104,12 @@ class SearchSummary:
                 f"without running out of memory (trial {trials})")
 
 
+def phase_peaks(result: Result) -> dict[str, dict[str, int | None]]:
+    """Each phase's device peak and host peak (`host_peak_bytes`) of one result, for summary.json."""
+    return {phase: {"peak_bytes": peak, "host_peak_bytes": result.host_phases.get(phase)}
+            for phase, peak in result.phases.items()}
+
+
 def summarize(study, space: Space, known: Knowledge, url: str, best_file: Path | None,
               finished: bool | None = None, trial_cap: int | None = None, margin: float | None = None,
               meter: str | None = None, probes_run: int | None = None) -> SearchSummary:
@@ -116,7 +131,7 @@ def summarize(study, space: Space, known: Knowledge, url: str, best_file: Path |
                          excluded=known.excluded(), known=known, optuna_study=study,
                          margin=float(attrs.get("margin", 0.0)) if margin is None else margin,
                          meter=str(attrs.get("meter", "")) if meter is None else meter,
-                         trial_cap=trial_cap)
+                         trial_cap=trial_cap, ram_bytes=known.ram_bytes)
 
 
 def run(job, options: SearchOptions, out) -> SearchSummary | None:
@@ -130,22 +145,26 @@ def run(job, options: SearchOptions, out) -> SearchSummary | None:
     settings = job.settings
     space = spaces.build(job)
     _refuse_before_writing(job, options)
-    budget = settings.vram_bytes
+    budget, ram = settings.vram_bytes, settings.ram_bytes
     limit = int(budget * (1 - settings.margin)) if budget else None
     url = studies.storage_url(options.study_name, Path(options.studies_dir), options.storage)
     study = studies.open_study(url, options.study_name, space,
                                {"budget_bytes": budget, "margin": settings.margin, "meter": options.meter,
                                 "job_file": str(job.source), "budget_is_card": options.budget_is_card,
                                 "trainer_command": settings.trainer_command},
-                               FitSampler(space, limit))
+                               FitSampler(space, limit, ram_bytes=ram))
     if options.worker:
         with studies.writable(options.study_name, url):
             workers.work(job, space, study, options, limit, out)
         return None
-    known = studies.load_knowledge(study, space, limit)
+    # The RAM budget may differ between runs (by default what the machine has available as each starts):
+    # the study's results are judged against this run's, and the report reads the last one.
+    study.set_user_attr("ram_bytes", ram)
+    known = studies.load_knowledge(study, space, limit, ram)
     out.note(f"study {options.study_name} ({url}): {len(space.knobs)} knobs, {space.size()} points, "
              f"{len(known.results)} trials already known; budget {format_bytes(budget)}, "
-             f"limit {format_bytes(limit)} after the {settings.margin:.0%} margin")
+             f"limit {format_bytes(limit)} after the {settings.margin:.0%} margin"
+             + (f"; RAM {format_bytes(ram)}" if ram else ""))
     count = len(options.gpus) or options.workers
     with studies.writable(options.study_name, url):
         if count > 1:
@@ -153,8 +172,8 @@ def run(job, options: SearchOptions, out) -> SearchSummary | None:
         else:
             workers.work(job, space, study, options, limit, out)
         studies.fail_stale(study)  # a worker killed after the others finished: its trial says why
-    known, pending = studies.read(study, space, limit)
-    sampler = FitSampler(space, limit, estimated.guide_for(options.guided, job, options.meter, options.gpu))
+    known, pending = studies.read(study, space, limit, ram)
+    sampler = FitSampler(space, limit, estimated.guide_for(options.guided, job, options.meter, options.gpu), ram)
     finished = sampler.next_step(known, pending).point is None and not pending
     best_file = Path(options.results_dir) / options.study_name / getattr(job, "best_name", "best.yaml")
     return summarize(study, space, known, url, best_file, finished, settings.trials, settings.margin, options.meter,

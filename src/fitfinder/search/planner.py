@@ -49,6 +49,7 @@ NOFIT: Verdict = "nofit"
 EXCLUDED = "excluded"  # its last ATTEMPTS probes crashed, hung or gave garbage
 ATTEMPTS = 2  # a probe that failed without running out of memory is tried once more
 CONFIRM_FACTOR = 3  # a confirmation probe runs this many times the probe steps
+HOST_MEMORY = "host memory"  # the reason a point does not fit when its host peak passes the RAM budget
 # The seeds' rollback moves: the knobs to lighten when a probe runs out of memory in a phase.
 # diagnose.ROWS orders a load OOM the other way (quantize before low_vram), on purpose: diagnose
 # names one change for a user to make blind, and quantizing is the one most sure to fit; the
@@ -78,8 +79,21 @@ class Result:
     phases: dict[str, int] = field(default_factory=dict)  # phase -> peak bytes
     confirm: bool = False
     verdict: Verdict | None = None  # FIT, NOFIT, or None (an error says nothing about memory)
-    failed_phases: tuple = ()  # phases over the limit; () with NOFIT means "unknown: all"
+    failed_phases: tuple = ()  # phases over the limit; () with NOFIT means "unknown: all" (unless the host failed)
     extra: dict[str, Any] = field(default_factory=dict)
+    host_phases: dict[str, int] = field(default_factory=dict)  # phase -> host peak bytes
+    oom_kind: str | None = None  # oom.classify's: "host" when the machine's RAM ran out, not the card's
+    # Phases whose host peak passed the RAM budget, or where the host ran out (None in it: phase unknown).
+    host_failed_phases: tuple = ()
+
+    @property
+    def host_peak_bytes(self) -> int | None:
+        return max(self.host_phases.values(), default=None)
+
+    @property
+    def wall_reason(self) -> str:
+        """Why it does not fit, in the trial line's words: "host memory" when only the host stopped it."""
+        return HOST_MEMORY if self.host_failed_phases and not self.failed_phases else ""
 
 
 @dataclass
@@ -95,29 +109,38 @@ class Step:
 class Knowledge:
     """Every result so far, and what they imply through dominance."""
 
-    def __init__(self, space: Space, limit_bytes: int | None):
+    def __init__(self, space: Space, limit_bytes: int | None, ram_bytes: int | None = None):
         self.space = space
         self.limit_bytes = limit_bytes
+        self.ram_bytes = ram_bytes  # the host's budget (--ram), or None: the host is not judged
         self.results: list[Result] = []
         self._by_key: dict[tuple, list[Result]] = {}
 
     def add(self, result: Result) -> Result:
-        result.verdict, result.failed_phases = self._judge(result)
+        result.verdict, result.failed_phases, result.host_failed_phases = self._judge(result)
         self.results.append(result)
         self._by_key.setdefault(self.space.key(result.point), []).append(result)
         return result
 
-    def _judge(self, result: Result) -> tuple[str | None, tuple]:
-        """ok under the limit fits; an OOM, or ok over the limit (tight, or over the budget), does not."""
+    def _judge(self, result: Result) -> tuple[str | None, tuple, tuple]:
+        """ok under the limit (and every phase's host peak under the RAM budget) fits; an OOM, or
+        ok over the limit (tight, or over the budget) or over the RAM budget, does not. Returns the
+        verdict, the device's failed phases and the host's."""
+        phase = result.phase if result.phase in PHASES else None
         if result.status == "oom":
-            return NOFIT, (result.phase,) if result.phase in PHASES else ()
+            if result.oom_kind == "host":  # the machine's RAM ran out (MemoryError, the OOM killer)
+                return NOFIT, (), (phase,)
+            return NOFIT, (phase,) if phase else (), ()
         if result.status != "ok":
-            return None, ()
+            return None, (), ()
+        ram = self.ram_bytes
+        host_over = () if ram is None else tuple(p for p, peak in result.host_phases.items()
+                                                 if peak > ram and p in PHASES)
         limit = self.limit_bytes
         if limit is None or result.peak_bytes is None or result.peak_bytes <= limit:
-            return FIT, ()
+            return (NOFIT if host_over else FIT), (), host_over
         over = tuple(p for p, peak in result.phases.items() if peak > limit and p in PHASES)
-        return NOFIT, over
+        return NOFIT, over, host_over
 
     def probed(self, point: Point) -> list[Result]:
         return self._by_key.get(self.space.key(point), [])
@@ -146,7 +169,8 @@ class Knowledge:
             if result.verdict == FIT:
                 return FIT, result
         for result in others:
-            if result.verdict == FIT and self.space.heavier_or_equal(result.point, point):
+            if result.verdict == FIT and self.space.heavier_or_equal(result.point, point) \
+                    and self._host_at_most(point, result.point):
                 return FIT, result
         witnesses = self._phase_witnesses(point, others)
         if witnesses:
@@ -162,7 +186,8 @@ class Knowledge:
         for phase in self.space.phases_run(point):
             witness = next((r for r in results if r.verdict is not None and phase not in r.failed_phases
                             and r.phase != phase and r.phases.get(phase, limit + 1) <= limit
-                            and self.space.heavier_or_equal(r.point, point, phase)), None)
+                            and self.space.heavier_or_equal(r.point, point, phase)
+                            and self._host_witness(r, point, phase)), None)
             if witness is None:
                 return []
             witnesses.append(witness)
@@ -170,11 +195,32 @@ class Knowledge:
 
 
     def _fails_like(self, point: Point, failed: Result) -> bool:
-        """At least as heavy as `failed` on every knob one of its failing phases depends on."""
+        """At least as heavy as `failed` on every knob one of its failing phases depends on: on the
+        device for the device's failures, on the host (Space.host_heavier_or_equal) for the host's,
+        so a host failure rules out only what holds at least as much host memory."""
+        on_host = self.space.host_heavier_or_equal
+        if any(on_host(point, failed.point, phase) for phase in failed.host_failed_phases):
+            return True
+        if failed.host_failed_phases and not failed.failed_phases:
+            return False  # only the host ran out: the device said nothing against it
         heavier = self.space.heavier_or_equal
         if not failed.failed_phases:
             return heavier(point, failed.point)
         return any(heavier(point, failed.point, phase) for phase in failed.failed_phases)
+
+    def _host_at_most(self, point: Point, fit: Point) -> bool:
+        """Whether a fit at `fit` proves `point`'s host side: always without a RAM budget; else
+        only where `point` holds no more host memory (more offloading is lighter on the card)."""
+        return self.ram_bytes is None or self.space.host_heavier_or_equal(fit, point)
+
+    def _host_witness(self, result: Result, point: Point, phase: str) -> bool:
+        """Whether `result` ran `phase` within the RAM budget at a point holding at least as much
+        host memory there as `point` (a phase whose host peak the meter did not read counts as
+        within it, as `_judge` reads it)."""
+        if self.ram_bytes is None:
+            return True
+        return (phase not in result.host_failed_phases and result.host_phases.get(phase, 0) <= self.ram_bytes
+                and self.space.host_heavier_or_equal(result.point, point, phase))
 
     def failures_in_a_row(self, point: Point) -> int:
         """How many of the point's last probes failed without saying anything about memory (a
@@ -375,7 +421,7 @@ def _likely_phases(known: Knowledge, point: Point) -> list[str]:
 def _with_guess(space: Space, known: Knowledge, point: Point, status: str, phase: str | None = None) -> Knowledge:
     """A copy of `known` that assumes `point` ends with `status`: a fit, or an OOM in `phase`
     (in every phase if None)."""
-    guessed = Knowledge(space, known.limit_bytes)
+    guessed = Knowledge(space, known.limit_bytes, known.ram_bytes)
     for result in known.results:
         guessed.add(result)
     guessed.add(Result(trial=-1, point=point, status=status, peak_bytes=0 if status == "ok" else None, phase=phase))
@@ -424,6 +470,28 @@ def _lightest_speed(space: Space) -> Point:
     return {k.name: k.candidates[0] for k in space.speed_knobs}
 
 
+def _host_relief(known: Knowledge, point: Point) -> Point:
+    """`point` (a quality level with the speed knobs at their lightest), or where the host is its
+    wall, the same level with less offloading: the speed knobs whose lightest setting on the card is
+    the heaviest on the host (Knob.host_order "reversed": layer offloading, then low_vram) one step
+    up at a time, until a point the host does not rule out. The quality stage judges a level at
+    the speed setting lightest on the card, which would give quality up where only the host ran
+    out; this keeps the level while some offloading lets it fit. Without a RAM budget, `point`."""
+    if known.ram_bytes is None:
+        return point
+    space = known.space
+    levers = [k for k in reversed(space.speed_knobs) if k.host_order == "reversed"]
+    while True:
+        state, decider = known.decider(point)
+        if state != NOFIT or decider is None or not any(
+                space.host_heavier_or_equal(point, decider.point, phase) for phase in decider.host_failed_phases):
+            return point
+        lever = next((k for k in levers if k.level(point[k.name]) + 1 < len(k.candidates)), None)
+        if lever is None:
+            return point  # as little offloading as there is, and the host still runs out
+        point = {**point, lever.name: lever.candidates[lever.level(point[lever.name]) + 1]}
+
+
 def _quality_stage(space: Space, known: Knowledge, decided: list) -> tuple[Point | None, Point | None]:
     """(the next probe towards the best quality, None), or (None, the best quality values) once
     they are settled, or (None, None) when nothing fits."""
@@ -431,7 +499,7 @@ def _quality_stage(space: Space, known: Knowledge, decided: list) -> tuple[Point
     quality = space.quality_knobs
     fixed: Point = {}
     for i, knob in enumerate(quality):
-        optimistic = {**fixed, **{k.name: k.desired for k in quality[i:]}, **light}
+        optimistic = _host_relief(known, {**fixed, **{k.name: k.desired for k in quality[i:]}, **light})
         state = _consider(known, optimistic, decided)
         if state is None:
             return optimistic, None
@@ -439,7 +507,8 @@ def _quality_stage(space: Space, known: Knowledge, decided: list) -> tuple[Point
             return None, {**fixed, **{k.name: k.desired for k in quality[i:]}}
         lower = {k.name: k.candidates[0] for k in quality[i + 1:]}
         top = knob.level(knob.desired)
-        line = lambda level: {**fixed, knob.name: knob.candidates[level], **lower, **light}  # noqa: E731
+        line = lambda level: _host_relief(known, {**fixed, knob.name: knob.candidates[level], **lower,  # noqa: E731
+                                                  **light})
         lo, hi = _bounds(known, line, top)
         if hi - lo > 1:
             # The desired value with every later knob at its lightest first: the later knobs are
@@ -704,7 +773,7 @@ def plan_guided(space: Space, known: Knowledge, guide: Guide) -> Step:
 
 
 def _copy(space: Space, known: Knowledge) -> Knowledge:
-    copy = Knowledge(space, known.limit_bytes)
+    copy = Knowledge(space, known.limit_bytes, known.ram_bytes)
     for result in known.results:
         copy.add(result)
     return copy
@@ -837,6 +906,7 @@ def result_from_probe(trial: int, step: Step, probe_result: ProbeResult) -> Resu
     batch = step.point.get("batch") or 1
     return Result(trial=trial, point=step.point, status=probe_result["status"],
                   peak_bytes=probe_result.get("peak_bytes"),
+                  host_phases=dict(probe_result.get("host_phases") or {}), oom_kind=probe_result.get("oom_kind"),
                   seconds_per_sample=round(per_step / batch, 6) if per_step else None,
                   phase=probe_result.get("phase"), error=probe_result.get("error"),
                   phases=dict(probe_result.get("phases") or {}), confirm=step.purpose == "confirm",

@@ -33,8 +33,9 @@ class FitSampler(optuna.samplers.BaseSampler):
 
     NAME = "FitSampler: fitfinder's plan (search.planner.next_step) over the study's trials"
 
-    def __init__(self, space: Space, limit_bytes: int | None, guide=None):
+    def __init__(self, space: Space, limit_bytes: int | None, guide=None, ram_bytes: int | None = None):
         self.space, self.limit_bytes, self.guide = space, limit_bytes, guide
+        self.ram_bytes = ram_bytes  # the host's budget (--ram), or None
         self.purposes: dict[int, str] = {}  # trial number -> the stage of the plan that sampled it
 
     def next_step(self, known: Knowledge, pending: list[Point]) -> Step:
@@ -49,7 +50,7 @@ class FitSampler(optuna.samplers.BaseSampler):
         (done, or waiting for the pending probes), and the objective then probes nothing."""
         if not search_space:
             return {}
-        known, pending = studies.read(study, self.space, self.limit_bytes)
+        known, pending = studies.read(study, self.space, self.limit_bytes, self.ram_bytes)
         step = self.next_step(known, pending)
         if step.point is None:
             return {}
@@ -67,7 +68,7 @@ class FitSampler(optuna.samplers.BaseSampler):
         trial still reads as RUNNING, so it is taken for the result its attributes already hold."""
         if not getattr(study._thread_local, "in_optimize_loop", False):
             return  # a worker's own tell: its loop asks the plan itself
-        known, pending = studies.read(study, self.space, self.limit_bytes)
+        known, pending = studies.read(study, self.space, self.limit_bytes, self.ram_bytes)
         point = studies.params_of(trial)
         if point in pending:
             pending.remove(point)

@@ -59,7 +59,7 @@ from fitfinder import files
 from fitfinder.errors import UserError
 from fitfinder.probe import faults, request as requests
 from fitfinder.probe.protocol import ProbeResult, Purpose
-from fitfinder.search.planner import Knowledge, Result
+from fitfinder.search.planner import HOST_MEMORY, Knowledge, Result
 from fitfinder.space import Point, Space
 from fitfinder.verdict import NO_FIT, of_probe
 
@@ -316,19 +316,19 @@ def distributions(space: Space) -> dict[str, Any]:
 PROBED = ("ok", "oom", "error", "timeout")
 
 
-def load_knowledge(study, space: Space, limit_bytes: int | None) -> Knowledge:
+def load_knowledge(study, space: Space, limit_bytes: int | None, ram_bytes: int | None = None) -> Knowledge:
     """What the finished probes of the study say."""
-    return read(study, space, limit_bytes)[0]
+    return read(study, space, limit_bytes, ram_bytes)[0]
 
 
-def read(study, space: Space, limit_bytes: int | None) -> tuple[Knowledge, list[Point]]:
+def read(study, space: Space, limit_bytes: int | None, ram_bytes: int | None = None) -> tuple[Knowledge, list[Point]]:
     """The finished probes as Knowledge, and the points being probed.
 
     Only finished trials with a whole point of this space are results: a worker killed while
     writing leaves its trial RUNNING (failed later by `fail_stale`), never half a result."""
     from optuna.trial import TrialState
 
-    known = Knowledge(space, limit_bytes)
+    known = Knowledge(space, limit_bytes, ram_bytes)
     pending = []
     for trial in trials_of(study):
         point = params_of(trial)
@@ -371,10 +371,11 @@ def facts_readable(attrs: dict[str, Any]) -> bool:
         return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
                                  and math.isfinite(value) and value >= 0)
 
-    phases = attrs.get("phases") or {}
+    phases, host = attrs.get("phases") or {}, attrs.get("host_phases") or {}
     return (all(count(attrs.get(key)) for key in
                 ("peak_bytes", "seconds_per_sample", "seconds_per_step", "timing_noise", "wall_seconds"))
-            and isinstance(phases, dict) and all(isinstance(name, str) and count(peak) for name, peak in phases.items())
+            and all(isinstance(table, dict) and all(isinstance(name, str) and count(peak)
+                                                    for name, peak in table.items()) for table in (phases, host))
             and isinstance(attrs.get("phase"), (str, type(None)))
             and (attrs.get("status") != "ok" or attrs.get("peak_bytes") is not None))
 
@@ -407,6 +408,7 @@ def result_from_trial(trial, point: Point | None = None) -> Result:
     return Result(trial=trial.number, point=dict(point or params_of(trial)), status=attrs["status"],
                   peak_bytes=attrs.get("peak_bytes"), seconds_per_sample=attrs.get("seconds_per_sample"),
                   phase=attrs.get("phase"), error=attrs.get("error"), phases=dict(attrs.get("phases") or {}),
+                  host_phases=dict(attrs.get("host_phases") or {}), oom_kind=attrs.get("oom_kind"),
                   confirm=attrs.get("purpose") == "confirm",
                   extra={"seconds_per_step": attrs.get("seconds_per_step"), "timing_noise": attrs.get("timing_noise"),
                          "purpose": attrs.get("purpose"),
@@ -640,6 +642,8 @@ def record_decided(study, space: Space, point: Point, decider: Result) -> None:
     from optuna.trial import TrialState
 
     phases = ", ".join(decider.failed_phases) or "every phase"
+    if decider.wall_reason:  # the host ran out there: as heavy on the host, by the knobs' host order
+        phases = f"{HOST_MEMORY} in {', '.join(p or 'some phase' for p in decider.host_failed_phases)}"
     study.add_trial(optuna.trial.create_trial(
         state=TrialState.PRUNED, params=point, distributions=distributions(space),
         user_attrs={"point": point, "status": "decided", "decided_by": decider.trial, "verdict": NO_FIT,
@@ -696,9 +700,14 @@ def write_facts(trial, space: Space, result: Result, probe_result: ProbeResult, 
         "error": result.error,
         "oom_kind": probe_result.get("oom_kind"),
         "meter": probe_result.get("meter"),
-        "verdict": of_probe(result.status, result.verdict == "fit", result.peak_bytes,
-                            probe_result.get("budget_bytes")),
+        "verdict": NO_FIT if result.host_failed_phases else of_probe(
+            result.status, result.verdict == "fit", result.peak_bytes, probe_result.get("budget_bytes")),
         "failed_phases": list(result.failed_phases),
+        "host_phases": result.host_phases,
+        "host_peak_bytes": result.host_peak_bytes,
+        "ram_bytes": probe_result.get("ram_bytes"),
+        "host_failed_phases": list(result.host_failed_phases),
+        "reason": result.wall_reason or None,
         "estimated": bool(probe_result.get("estimated")),
         **({"trainer_run": probe_result["trainer_run"], "estimate": probe_result.get("estimate")}
            if "trainer_run" in probe_result else {}),  # a trainer probe, with the estimate of the same point
@@ -710,6 +719,8 @@ def write_facts(trial, space: Space, result: Result, probe_result: ProbeResult, 
         trial.set_user_attr(key, _jsonable(value))
     if result.status == "ok":
         over = 0.0 if limit_bytes is None else result.peak_bytes / limit_bytes - 1.0
+        if result.host_failed_phases:  # in the card, over the RAM: infeasible all the same
+            over = max(over, 1.0)
         trial.set_constraint("peak_over_limit", over)
         speed = result.seconds_per_sample if result.seconds_per_sample is not None else math.inf
         return [float(space.quality_rank(result.point)), speed]

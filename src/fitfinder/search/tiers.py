@@ -49,6 +49,10 @@ class Tier:
     differs: str = ""  # the changed knobs as the trial lines write them: `rank=8 gc=on`
     proven: bool = True
     wall: Wall | None = None  # nothing fits: the phase that stops even the lightest point
+    host_peak_bytes: int | None = None  # the point's host peak (the process and its host tensors)
+    ram_bytes: int | None = None  # the host's budget (--ram), or None
+    # Nothing fits within --ram, something would with more: the host peak of the best such point.
+    needs_ram_bytes: int | None = None
 
     @property
     def given_up(self) -> list[dict[str, Any]]:
@@ -64,7 +68,9 @@ class Tier:
                 "fits": self.point is not None, "point": self.point, "peak_bytes": self.peak_bytes,
                 "changed": self.changed, "differs": self.differs,
                 "given_up": [row["knob"] for row in self.given_up], "proven": self.proven,
-                "wall": self.wall.as_json() if self.wall else None}
+                "wall": self.wall.as_json() if self.wall else None, "host_peak_bytes": self.host_peak_bytes,
+                "ram_bytes": self.ram_bytes, "needs_ram_bytes": self.needs_ram_bytes,
+                "reason": "host memory" if self.needs_ram_bytes else None}
 
 
 @dataclass
@@ -121,9 +127,14 @@ def compute(job, runner, overhead, cards=DEFAULT_CARDS, on_tier=None) -> TierTab
 
 def tier_at(job, runner, overhead, estimator: Estimator, card: float, on_estimate=None) -> Tier:
     """The best point predicted to fit a card of `card` GiB (the planner on `estimator`'s estimates)."""
-    space, budget = estimator.space, int(card * GiB)
+    space, budget, ram = estimator.space, int(card * GiB), job.settings.ram_bytes
     found = estimated.search(job, runner, overhead, on_estimate, estimator=estimator, budget_bytes=budget)
     best = found.best
+    needs_ram = None
+    if best is None and ram is not None:  # would the card take it with more RAM? (estimates mostly recalled)
+        unbounded = estimated.search(job, runner, overhead, on_estimate, estimator=estimator, budget_bytes=budget,
+                                     judge_host=False)
+        needs_ram = unbounded.best.host_peak_bytes if unbounded.best else None
     changed = [] if best is None else [row for row in planner.explain(space, found.known, best.point)
                                        if row["verdict"] != "kept"]
     differs = " ".join(f"{space.by_name[row['knob']].short}={space.by_name[row['knob']].label(row['chosen'])}"
@@ -132,7 +143,8 @@ def tier_at(job, runner, overhead, estimator: Estimator, card: float, on_estimat
                 point=best.point if best else None, peak_bytes=best.peak_bytes if best else None,
                 changed=[{k: row[k] for k in ("knob", "role", "desired", "chosen", "verdict")} for row in changed],
                 differs=differs, proven=found.proven,
-                wall=None if best else wall_of(job, overhead, estimator, found.limit_bytes))
+                wall=None if best or needs_ram else wall_of(job, overhead, estimator, found.limit_bytes),
+                host_peak_bytes=best.host_peak_bytes if best else None, ram_bytes=ram, needs_ram_bytes=needs_ram)
 
 
 def wall_of(job, overhead, estimator: Estimator, limit_bytes: int) -> Wall | None:
@@ -191,25 +203,31 @@ def nothing_fits(job, runner, overhead, estimator: Estimator, budget_bytes: int,
                    summary=summary, wall=wall, would_take=would)
 
 
+ROW_HEADER = ("card", "peak", "host peak", "differs from the job file", "given up")
+
+
 def rows(tiers: list[dict[str, Any]]) -> list[list[str]]:
-    """One line per card (from tiers.json's `tiers`): size, peak, what differs from the job
-    file, what was given up. The CLI and report.html show the same."""
+    """One line per card (from tiers.json's `tiers`): size, peak, host peak, what differs from the
+    job file, what was given up (ROW_HEADER). The CLI and report.html show the same."""
     lines = []
     for tier in tiers:
         label = f"{tier['card_gib']:g} GiB"
         if not tier["fits"]:
-            wall = tier.get("wall")
-            if not tier["proven"]:
+            wall, needs = tier.get("wall"), tier.get("needs_ram_bytes")
+            if needs:
+                found = (f"does not fit: host memory, it needs {format_bytes(needs)} of RAM "
+                         f"({format_bytes(tier.get('ram_bytes'))} given)")
+            elif not tier["proven"]:
                 found = "none found before the estimate cap"
             elif wall:
                 found = f"does not fit: {wall['phase']} needs {format_bytes(wall['peak_bytes'])} at the lightest point"
             else:
                 found = "does not fit"
-            lines.append([label, "-", found, ""])
+            lines.append([label, "-", format_bytes(needs) if needs else "-", found, ""])
             continue
         unproven = "" if tier["proven"] else " (estimate cap reached)"
-        lines.append([label, format_bytes(tier["peak_bytes"]), (tier["differs"] or "the job as written") + unproven,
-                      ", ".join(tier["given_up"]) or "nothing"])
+        lines.append([label, format_bytes(tier["peak_bytes"]), format_bytes(tier.get("host_peak_bytes")),
+                      (tier["differs"] or "the job as written") + unproven, ", ".join(tier["given_up"]) or "nothing"])
     return lines
 
 

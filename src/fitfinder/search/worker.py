@@ -41,12 +41,12 @@ def work(job, space, study, options, limit: int | None, out) -> None:
                                                   options.gpu), faults.probe_faults(), log_dir, card,
                    estimated.guide_for(options.guided, job, options.meter, options.gpu, runner))
     # The study's sampler is the plan; this worker's carries its guide (estimates from its runner).
-    study.sampler = FitSampler(space, limit, bench.guide)
+    study.sampler = FitSampler(space, limit, bench.guide, settings.ram_bytes)
     pause = 0.5  # while others probe what the plan waits for: short, probes can be too
     with out.progress(settings.trials, "probing"):
         while True:
             studies.fail_stale(study)
-            known, pending = studies.read(study, space, limit)
+            known, pending = studies.read(study, space, limit, settings.ram_bytes)
             stop_if_probes_keep_failing(known.results, log_dir)
             step = study.sampler.next_step(known, pending)
             _record_decided(study, space, step.decided)
@@ -86,7 +86,8 @@ def _probe(trial, job, space, study, options, limit, bench: _Bench, first_attemp
     settings = job.settings
     request = probe.request_for(space.apply(job, step.point), settings.probe_steps * step.steps_factor,
                                 options.meter, settings.vram_bytes, options.gpu,
-                                fault=faults.probe_fault(bench.faults, trial.number, first_attempt))
+                                fault=faults.probe_fault(bench.faults, trial.number, first_attempt),
+                                ram_bytes=settings.ram_bytes)
     trial.set_user_attr("card", bench.card["name"])
     trial.set_user_attr("card_total_bytes", bench.card["total_bytes"])
     faults.kill_if_at("beating", trial.number)
@@ -105,7 +106,7 @@ def _probe(trial, job, space, study, options, limit, bench: _Bench, first_attemp
     if bench.guide is not None:  # how far the estimate was: the band widens past a disagreement
         for key, value in bench.guide.disagreement(result).items():
             trial.set_user_attr(key, value)
-    judged = Knowledge(space, limit).add(result)
+    judged = Knowledge(space, limit, settings.ram_bytes).add(result)
     if studies.record(study, trial, space, judged, probe_result, limit, purpose):
         faults.kill_if_at("recorded", trial.number)
         out.trial(space, judged, settings.vram_bytes, purpose)
@@ -193,6 +194,8 @@ def worker_command(job, options, url: str, index: int) -> list[str]:
                "--probe-steps", str(settings.probe_steps), "--timeout", str(settings.probe_timeout)]
     if settings.vram_bytes is not None:
         command += ["--vram", str(settings.vram_bytes)]
+    if settings.ram_bytes is not None:  # every worker holds the host to the budget the search started with
+        command += ["--ram", str(settings.ram_bytes)]
     if options.gpus:
         command += ["--gpu", "0"]  # the one card CUDA_VISIBLE_DEVICES shows it
     if options.prescreen is not None:
@@ -231,9 +234,10 @@ def probe_objective(job, space, limit_bytes: int | None, meter: str = "sim", gpu
                  for name, dist in studies.distributions(space).items()}
         step = Step(point, purpose, CONFIRM_FACTOR if purpose == "confirm" else 1)
         request = probe.request_for(space.apply(job, point), settings.probe_steps * step.steps_factor, meter,
-                                    settings.vram_bytes, gpu)
+                                    settings.vram_bytes, gpu, ram_bytes=settings.ram_bytes)
         probe_result = runner.run(request)
-        result = Knowledge(space, limit_bytes).add(result_from_probe(trial.number, step, probe_result))
+        known = Knowledge(space, limit_bytes, settings.ram_bytes)
+        result = known.add(result_from_probe(trial.number, step, probe_result))
         values = studies.write_facts(trial, space, result, probe_result, limit_bytes, purpose)
         if result.status == "oom":
             raise optuna.TrialPruned(result.error or "out of memory")

@@ -52,6 +52,7 @@ class KnobSpec:
     labeler: Callable[[Any], str]
     writer: Callable  # (job, value, space) -> None
     unordered: frozenset = frozenset()
+    host: str = ""  # how it weighs on the host (space.HOST_ORDERS; "" for space.HOST_ORDER's by its name)
 
 
 _MISSING = object()
@@ -377,13 +378,14 @@ def batch_knob(job: KohyaJob) -> KnobSpec:
 
 
 def switch_knob(name: str, option: str, job: KohyaJob, phases: frozenset, light: bool, role: str = "speed",
-                title: str | None = None) -> KnobSpec:
+                title: str | None = None, host: str = "") -> KnobSpec:
     desired = bool(job.get(option))
 
     def write(target: KohyaJob, value: bool, space) -> None:
         target.set(option, bool(value))
 
-    return KnobSpec(name, role, (light, not light), desired, (option,), phases, title or option, on_off, write)
+    return KnobSpec(name, role, (light, not light), desired, (option,), phases, title or option, on_off, write,
+                    host=host)
 
 
 # kohya's optimizer names (optimizer_type, any case) -> the optimizer fitfinder builds; each trainer's
@@ -427,8 +429,9 @@ def swap_knob(job: KohyaJob, most: int, phases: frozenset) -> KnobSpec | None:
     def write(target: KohyaJob, count: int, space) -> None:
         target.set("blocks_to_swap", int(count) if count else None)
 
+    # The swapped blocks wait in host memory: the most swapped, lightest on the card, is heaviest there.
     return KnobSpec("layer_offloading", "speed", tuple(range(most, -1, -1)), desired, ("blocks_to_swap",), phases,
-                    "blocks_to_swap", str, write)
+                    "blocks_to_swap", str, write, host="reversed")
 
 
 def sampling_knob(job: KohyaJob) -> KnobSpec | None:

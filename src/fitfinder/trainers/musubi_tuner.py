@@ -468,8 +468,10 @@ def offload_knob(job: KohyaJob) -> KnobSpec | None:
     if not job.get("dit_high_noise"):
         return None
     # the planner's low_vram: a speed knob that moves a part to the host (space.SPEED_ORDER)
+    # On, lighter on the card and heavier on the host: the inactive expert waits there (host order reversed).
     return _kohya.switch_knob("low_vram", "offload_inactive_dit", job, frozenset({"load", "sample", "train",
-                                                                                 "last_sample"}), True)
+                                                                                 "last_sample"}), True,
+                              host="reversed")
 
 
 def text_fp8_knob(job: KohyaJob) -> KnobSpec | None:
