@@ -529,6 +529,7 @@ def tiers(
     from fitfinder.search import outputs, tiers as tiering
     from fitfinder.results.output import Output
     from fitfinder.units import format_bytes
+    from fitfinder.verdict import NO_FIT
 
     out = Output(json_output)
     job = _load(job_file, ram=ram, margin=margin, timeout=timeout, script=script, arch=arch)
@@ -554,7 +555,8 @@ def tiers(
     runner = estimating.InProcess(job.settings.probe_timeout, PROGRESS_AFTER_S)
     table = tiering.compute(job, runner, model, sizes, on_tier)
     verdict = None
-    if not any(tier.point for tier in table.tiers) and all(tier.proven for tier in table.tiers):
+    host_walled = any(tier.needs_ram_bytes for tier in table.tiers)  # the cards would take it, the host not
+    if not any(tier.point for tier in table.tiers) and all(tier.proven for tier in table.tiers) and not host_walled:
         out.note(f"nothing fits these cards; estimating the smallest card that would (up to "
                  f"{tiering.CARD_SIZES_GB[-1]} GB)")
         verdict = tiering.nothing_fits(job, runner, model, table.estimator, table.tiers[-1].budget_bytes,
@@ -563,7 +565,8 @@ def tiers(
     path = tiering.write_json(table, out_dir)
     written = tiering.write_jobs(job, table, out_dir) if write else []
     fitted = any(tier.point for tier in table.tiers)
-    out.result({**table.as_json(), "verdict": "fits" if fitted else verdict.verdict if verdict else None,
+    out.result({**table.as_json(), "ram_bytes": job.settings.ram_bytes,
+                "verdict": "fits" if fitted else verdict.verdict if verdict else NO_FIT if host_walled else None,
                 "would_take": verdict.would_take.as_json() if verdict else None,
                 "tiers_json": str(path), "written": [str(p) for p in written]})
     out.table(list(tiering.ROW_HEADER), tiering.rows(table.as_json()["tiers"]))
@@ -578,6 +581,11 @@ def tiers(
         for line in verdict.lines():
             out.line(line)
         raise typer.Exit(verdict.exit_code)
+    if not fitted and host_walled:
+        least = min(tier.needs_ram_bytes for tier in table.tiers if tier.needs_ram_bytes)
+        raise RunFailed(f"does not fit: host memory; no card's best point holds within --ram "
+                        f"{format_bytes(job.settings.ram_bytes)} (the least it needs is {format_bytes(least)}); "
+                        "give a larger --ram, or lighter candidates in the `fitfinder:` section")
     if not fitted:  # the estimate cap stopped every card's search: nothing is proven not to fit
         raise RunFailed("no card's search found a fit before its estimate cap; raise `fitfinder: trials:` in the "
                         "job file and run again")

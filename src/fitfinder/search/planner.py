@@ -378,7 +378,7 @@ def _open_speed(space: Space, known: Knowledge) -> list[Point]:
     open_points = []
     for order, setting in enumerate(_switch_settings(switches)):
         line = lambda level, s={**quality, **setting}: {**s, chain.name: chain.candidates[level]}  # noqa: E731
-        lo, hi = _bounds(known, line, len(chain.candidates) - 1)
+        lo, hi = _bounds(known, line, len(chain.candidates) - 1, chain)
         switched = sum(k.level(setting[k.name]) for k in switches)
         open_points += [(-level - switched, order, line(level)) for level in range(lo + 1, hi)
                         if known.state(line(level)) is None]
@@ -482,9 +482,7 @@ def _host_relief(known: Knowledge, point: Point) -> Point:
     space = known.space
     levers = [k for k in reversed(space.speed_knobs) if k.host_order == "reversed"]
     while True:
-        state, decider = known.decider(point)
-        if state != NOFIT or decider is None or not any(
-                space.host_heavier_or_equal(point, decider.point, phase) for phase in decider.host_failed_phases):
+        if not _stopped_by_host(known, point):
             return point
         lever = next((k for k in levers if k.level(point[k.name]) + 1 < len(k.candidates)), None)
         if lever is None:
@@ -557,11 +555,24 @@ def _level_stand_in(known: Knowledge, excluded: Point, later) -> Point | None:
     return None
 
 
-def _bounds(known: Knowledge, line, top: int) -> tuple[int, int]:
-    """(highest level known to fit or -1, lowest level above it known not to fit or top + 1)."""
+def _stopped_by_host(known: Knowledge, point: Point) -> bool:
+    """Whether `point` is known not to fit only because the host runs out (a host failure at a
+    point it holds at least as much host memory as)."""
+    state, decider = known.decider(point)
+    return state == NOFIT and decider is not None and decider.wall_reason == HOST_MEMORY
+
+
+def _bounds(known: Knowledge, line, top: int, knob=None) -> tuple[int, int]:
+    """(highest level known to fit or -1, lowest level above it known not to fit or top + 1).
+
+    On a line of `knob` whose levels weigh the other way on the host (layer offloading: the
+    lightest on the card holds the most host memory), a level the host stops bounds nothing
+    above it: the levels above hold less host memory, and may fit."""
     states = [known.state(line(level)) for level in range(top + 1)]
+    reversed_on_host = knob is not None and knob.host_order == "reversed" and known.ram_bytes is not None
     lo = max((level for level, s in enumerate(states) if s == FIT), default=-1)
-    hi = min((level for level, s in enumerate(states) if s == NOFIT and level > lo), default=top + 1)
+    hi = min((level for level, s in enumerate(states) if s == NOFIT and level > lo
+              and not (reversed_on_host and _stopped_by_host(known, line(level)))), default=top + 1)
     return lo, hi
 
 
@@ -575,10 +586,11 @@ def _speed_stage(space: Space, known: Knowledge, quality: Point, decided: list) 
     for setting in _switch_settings(switches):
         base = {**quality, **setting}
         line = lambda level, s=base: {**s, chain.name: chain.candidates[level]}  # noqa: E731
-        lo, hi = _bounds(known, line, len(chain.candidates) - 1)
+        lo, hi = _bounds(known, line, len(chain.candidates) - 1, chain)
         # One step at a time, as the seeds escalate; over an excluded step to the next (a fit there
-        # shows the excluded one fits too).
-        up = next((level for level in range(lo + 1, hi) if known.state(line(level)) != EXCLUDED), None)
+        # shows the excluded one fits too), and over a step the host stops (more offloading than the
+        # host holds: the next steps offload less).
+        up = next((level for level in range(lo + 1, hi) if known.state(line(level)) not in (EXCLUDED, NOFIT)), None)
         if up is not None:
             step = line(up)
             if _consider(known, step, decided) is None:
