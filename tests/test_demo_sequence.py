@@ -18,6 +18,15 @@ KEPT = ("purpose", "status", "phase", "verdict", "oom_kind", "failed_phases", "p
         "limit_bytes", "meter", "point")
 
 
+def kept(attrs: dict) -> dict:
+    """A trial's KEPT attributes; the meter's description without the RAM budget, which a search
+    takes by default from what this machine has available (--ram)."""
+    found = {key: attrs.get(key) for key in KEPT}
+    if isinstance(found["meter"], str):
+        found["meter"] = re.sub(r", RAM [^,]+$", "", found["meter"])
+    return found
+
+
 def sequence(folder: Path, summary: dict) -> dict:
     import optuna
 
@@ -25,10 +34,7 @@ def sequence(folder: Path, summary: dict) -> dict:
     study = optuna.load_study(study_name=summary["study"],
                               storage=f"sqlite:///{folder / 'studies' / (summary['study'] + '.db')}")
     trials = [{"number": t.number, "state": t.state.name, "params": t.params,
-               "quality": None if t.values is None else t.values[0],
-               **{key: t.user_attrs.get(key) for key in KEPT}} for t in study.trials]
-    for trial in trials:  # the RAM budget is by default what this machine has available: not the sequence's
-        trial["meter"] = re.sub(r", RAM [^,]+$", "", trial["meter"] or "") or trial["meter"]
+               "quality": None if t.values is None else t.values[0], **kept(t.user_attrs)} for t in study.trials]
     winner = {key: summary[key] for key in ("status", "trials", "probes_run", "proven", "best", "best_file",
                                               "peak_bytes", "budget_bytes", "limit_bytes", "explanation",
                                               "excluded")}

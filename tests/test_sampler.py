@@ -17,7 +17,7 @@ from fitfinder import jobconfig, space as spaces
 from fitfinder.search import probe_objective
 from fitfinder.search.sampler import FitSampler
 from tests.conftest import DEMO, run_cli
-from tests.test_demo_sequence import FIXTURE, KEPT
+from tests.test_demo_sequence import FIXTURE, kept
 
 NAME = "demo_flux_lora"
 
@@ -48,7 +48,7 @@ def test_optimize_from_python_continues_a_search_as_the_cli_would(tmp_path, mode
     study.optimize(probe_objective(job, space, limit), n_trials=20)  # stops itself when the plan is done
     expected = json.loads(FIXTURE.read_text())["trials"]
     found = [{"number": t.number, "state": t.state.name, "params": t.params,
-              **{key: t.user_attrs.get(key) for key in KEPT}} for t in study.trials]
+              **kept(t.user_attrs)} for t in study.trials]
     assert json.loads(json.dumps(found)) == [{k: v for k, v in t.items() if k != "quality"} for t in expected]
 
 
