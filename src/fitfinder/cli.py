@@ -132,7 +132,7 @@ def search(
     from fitfinder import search as searching
     from fitfinder.probe import trainer_command as trainer_check
     from fitfinder.results import report as reporting
-    from fitfinder.results.output import Output
+    from fitfinder.results.output import Output, usage_bar
     from fitfinder.units import format_bytes
 
     out = Output(json_output, fancy=False if worker else None)
@@ -206,12 +206,12 @@ def search(
     out.table(["knob", "desired", "chosen", "outcome", "forced by"], rows)
     host_peak = summary.best.host_peak_bytes
     out.line(f"best: {space_.describe(summary.best_point)}  peak {format_bytes(summary.best.peak_bytes)} "
-             f"of {format_bytes(summary.budget_bytes)}"
-             + (f", host {format_bytes(host_peak)} of {format_bytes(summary.ram_bytes)}"
-                if host_peak is not None and summary.ram_bytes else "")
-             + f"  ({summary.probes_run} probes"
+             f"of {format_bytes(summary.budget_bytes)}  ({summary.probes_run} probes"
              f"{'' if summary.finished else ', not proven: trial cap reached'}"
              f"{'; ' + summary.proven_around() if summary.excluded else ''})")
+    if host_peak is not None:
+        out.line(f"host peak {usage_bar(host_peak, summary.ram_bytes)}"
+                 + (" (the RAM budget)" if summary.ram_bytes else ""))
     _say_tight(out, space_, summary.closest_tight(), summary.budget_bytes, summary.limit_bytes, probed=True)
     if summary.host_walls():
         out.line(f"host memory stopped {len(summary.host_walls())} probe(s) (past --ram "
@@ -569,7 +569,8 @@ def tiers(
                 "verdict": "fits" if fitted else verdict.verdict if verdict else NO_FIT if host_walled else None,
                 "would_take": verdict.would_take.as_json() if verdict else None,
                 "tiers_json": str(path), "written": [str(p) for p in written]})
-    out.table(list(tiering.ROW_HEADER), tiering.rows(table.as_json()["tiers"]))
+    shown = table.as_json()["tiers"]
+    out.table(tiering.header(shown), tiering.rows(shown))
     short = [tier for tier in table.tiers if tier.needs_ram_bytes]
     if short:  # in the card, not in the host: what the RAM would have to be
         out.line(f"need more RAM than the {format_bytes(job.settings.ram_bytes)} given: "

@@ -364,7 +364,7 @@ def _tiers_section(found: dict[str, Any]) -> str:
     return ("<section id='tiers'><h2>Card sizes: the best configuration predicted to fit each</h2>"
             f"<p class='note'>From <code>fitfinder tiers</code> on estimates ({_e(found.get('overhead'))}; "
             f"{_e(found.get('estimates'))} estimates), not probes: confirm a tier on its card.</p>"
-            "<table class='grid'><tr>" + "".join(f"<th>{_e(name)}</th>" for name in tiers.ROW_HEADER)
+            "<table class='grid'><tr>" + "".join(f"<th>{_e(name)}</th>" for name in tiers.header(found["tiers"]))
             + "</tr>" + body + "</table></section>")
 
 

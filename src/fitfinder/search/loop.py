@@ -159,7 +159,8 @@ def run(job, options: SearchOptions, out) -> SearchSummary | None:
         return None
     # The RAM budget may differ between runs (by default what the machine has available as each starts):
     # the study's results are judged against this run's, and the report reads the last one.
-    study.set_user_attr("ram_bytes", ram)
+    with studies.writable(options.study_name, url):
+        study.set_user_attr("ram_bytes", ram)
     known = studies.load_knowledge(study, space, limit, ram)
     out.note(f"study {options.study_name} ({url}): {len(space.knobs)} knobs, {space.size()} points, "
              f"{len(known.results)} trials already known; budget {format_bytes(budget)}, "

@@ -206,9 +206,23 @@ def nothing_fits(job, runner, overhead, estimator: Estimator, budget_bytes: int,
 ROW_HEADER = ("card", "peak", "host peak", "differs from the job file", "given up")
 
 
+def header(tiers: list[dict[str, Any]]) -> list[str]:
+    """The columns of `rows`: the host peak's only when the tiers were held to a RAM budget (--ram)."""
+    return [name for name in ROW_HEADER if name != "host peak" or _judged_host(tiers)]
+
+
+def _judged_host(tiers: list[dict[str, Any]]) -> bool:
+    return any(tier.get("ram_bytes") for tier in tiers)
+
+
 def rows(tiers: list[dict[str, Any]]) -> list[list[str]]:
-    """One line per card (from tiers.json's `tiers`): size, peak, host peak, what differs from the
-    job file, what was given up (ROW_HEADER). The CLI and report.html show the same."""
+    """One line per card (from tiers.json's `tiers`): size, peak, host peak (with --ram), what
+    differs from the job file, what was given up (`header`). The CLI and report.html show the same."""
+    host = _judged_host(tiers)
+    return [row if host else row[:2] + row[3:] for row in _rows(tiers)]
+
+
+def _rows(tiers: list[dict[str, Any]]) -> list[list[str]]:
     lines = []
     for tier in tiers:
         label = f"{tier['card_gib']:g} GiB"
