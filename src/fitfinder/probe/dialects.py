@@ -249,7 +249,8 @@ class Kohya:
             if isinstance(value, list):
                 return [absolute(key, item) for item in value]
             path = _kohya.resolve(job, value) if isinstance(value, str) else None
-            if path is not None and (path.exists() or key.endswith(_PATH_KEYS) or value.endswith(_PATH_SUFFIXES)):
+            if path is not None and (path.exists() or key.endswith(_PATH_KEYS)
+                                     or Path(value).suffix.lower() in _PATH_SUFFIXES):  # not ".txt" alone
                 return str(path.resolve())
             return value
 
