@@ -153,6 +153,7 @@ def test_the_sd_scripts_job_is_the_point_for_a_probe_in_one_config_toml(project,
     for gone in ("max_train_epochs", "save_every_n_epochs", "save_state", "sample_every_n_epochs", "config_file"):
         assert gone not in options, gone
     assert options["sample_at_first"] is True and options["sample_every_n_steps"] == 5
+    assert options["console_log_simple"] is True  # one plain line a message, not rich's wrapped ones
     # the largest preview only, at the request's two denoising steps
     assert Path(options["sample_prompts"]).read_text() == "a photo of a thing --w 256 --h 256 --s 2\n"
     assert options["pretrained_model_name_or_path"] == str(project["model"] / "transformer")

@@ -213,6 +213,9 @@ _NOT_IN_A_PROBE = (
     "sample_every_n_epochs",
     # read_config_from_file: output_config writes the arguments as a TOML and exits; config_file is this file.
     "output_config", "config_file",
+    # sd-scripts' library/utils.py setup_logging: a log file takes the lines the probe reads its phases
+    # from, a level above INFO drops them.
+    "console_log_file", "console_log_level",
 )
 # A relative value of these keys, or with these suffixes, is a path whether it is there or not (a model
 # file that is not there is looked for, and missed, where fitfinder looked).
@@ -233,9 +236,11 @@ class Kohya:
     the same for every point. Options on the command line after it still win, as they would.
     """
 
-    def __init__(self, key: str, name: str, scripts: tuple[str, ...], caches_beside_images: bool):
+    def __init__(self, key: str, name: str, scripts: tuple[str, ...], caches_beside_images: bool,
+                 probe_options: dict[str, Any] | None = None):
         self.key, self.name, self.scripts = key, name, scripts
         self.caches_beside_images = caches_beside_images
+        self.probe_options = dict(probe_options or {})  # this trainer's own settings for any probe
 
     def document(self, job) -> dict[str, Any]:
         """The options the job sets, its dataset TOML (with fitfinder's changes) and its largest preview
@@ -264,7 +269,7 @@ class Kohya:
         options = {key: value for key, value in document["options"].items()
                    if key not in _NOT_IN_A_PROBE and not key.startswith("huggingface_")}
         options.update(max_train_steps=steps, output_dir=str(folder / "output"),
-                       dataset_config=str(folder / "job_dataset.toml"))
+                       dataset_config=str(folder / "job_dataset.toml"), **self.probe_options)
         if "logging_dir" in options:
             options["logging_dir"] = str(folder / "logs")
         _kohya_previews(options, document.get("preview"), folder, request)
@@ -359,7 +364,10 @@ SD_SCRIPTS = Kohya("sd-scripts", "kohya sd-scripts", (
     "fine_tune.py", "sdxl_train.py", "flux_train.py", "sd3_train.py", "lumina_train.py", "anima_train.py",
     "train_textual_inversion.py", "train_textual_inversion_XTI.py", "sdxl_train_textual_inversion.py",
     "train_control_net.py", "train_controlnet.py", "flux_train_control_net.py", "sdxl_train_control_net.py",
-    "sdxl_train_control_net_lllite.py", "sdxl_train_control_net_lllite_old.py"), caches_beside_images=True)
+    "sdxl_train_control_net_lllite.py", "sdxl_train_control_net_lllite_old.py"), caches_beside_images=True,
+    # library/utils.py setup_logging: rich's handler draws each line to the console's width (80 columns
+    # when piped), wrapping a long one; console_log_simple logs each message as one plain line on stdout.
+    probe_options={"console_log_simple": True})
 MUSUBI_TUNER = Kohya("musubi-tuner", "musubi-tuner", (
     "wan_train_network.py", "qwen_image_train_network.py", "qwen_image_train.py", "flux_kontext_train_network.py",
     "flux_2_train_network.py", "flux_2_train_network_self_flow.py", "zimage_train_network.py", "zimage_train.py",
