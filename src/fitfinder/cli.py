@@ -134,8 +134,8 @@ def search(
     out = Output(json_output, fancy=False if worker else None)
     job = _load(job_file, vram=vram, margin=margin, trials=trials, probe_steps=probe_steps, timeout=timeout,
                 script=script, arch=arch, trainer_command=trainer_command)
+    trainer_check.check(job)  # a trainer command that cannot run: one line, before any probe or note
     _notes(out, job)
-    trainer_check.check(job)  # a trainer command that cannot run: one line, before any probe
     budget_given = job.settings.vram_bytes is not None
     meter, gpus = _meter(gpu, job, out)
     if meter == "sim" and not force and not worker:
@@ -234,8 +234,8 @@ def probe(
     out = Output(json_output)
     job = _load(job_file, vram=vram, margin=margin, probe_steps=steps, timeout=timeout,
                 names={"probe_steps": "--steps"}, script=script, arch=arch, trainer_command=trainer_command)
+    trainer_check.check(job)  # a trainer command that cannot run: one line, before any probe or note
     _notes(out, job)
-    trainer_check.check(job)  # a trainer command that cannot run: one line, before any probe
     meter, gpus = _meter(gpu, job, out, need_budget=False)
     if meter == "sim":
         _refuse_full_size_on_the_cpu(job, force_option=False)
