@@ -105,7 +105,8 @@ def sim_against_rss() -> list[dict]:
 
 
 def print_sim(rows: list[dict]) -> None:
-    print("| tiny Wan 2.2 | phase | process at start | tensors (both sides) | counted | measured RSS peak | measured - counted |")
+    print("| tiny Wan 2.2 | phase | process at start | tensors (both sides) | counted | measured RSS peak "
+          "| measured - counted |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
         measured = row["measured"]
