@@ -75,7 +75,8 @@ def test_a_tight_estimate_warns_and_exits_0_where_the_search_would_not_take_it(t
     headline, *explained = lines[next(i for i, line in enumerate(lines) if line.startswith("tight: peak")):]
     assert headline.startswith(f"tight: peak {format_bytes(peak)} of {format_bytes(budget)}, ")
     assert headline.endswith("warning: it may run out, and a search picks it only with --margin 0")
-    assert explained[:2] == [f"the wall: train, {format_bytes(peak)}", "  by owner, at the phase's peak:"]
+    assert explained[0].startswith(f"the wall: train, {format_bytes(peak)} (") and "past the limit" in explained[0]
+    assert explained[1] == "  by owner, at the phase's peak:"
     assert explained[-2:] == ["with --margin 0.03 or less it fits this card",
                               f"the smallest card that takes it: 8 GB, as written (peak {format_bytes(peak)})"]
 

@@ -127,11 +127,15 @@ class Wall:
     point: str = ""  # which point, when it is not the job as written: "even at the lightest point (...)"
     owners: dict[str, int] | None = None  # {owner tag: bytes} at the phase's peak; None where the meter has none
     stops: bool = True  # False: the point fits, and this is only its highest phase
+    limit_bytes: int | None = None  # the search's limit, to say how far past it the wall is
 
     def lines(self) -> list[str]:
         where = f" {self.point}" if self.point else ""
+        # how far past: a peak 30 MiB over a 16 GiB budget reads "16 GiB" alone
+        past = (f" ({format_bytes(self.peak_bytes - self.limit_bytes)} past the limit of "
+                f"{format_bytes(self.limit_bytes)})" if self.stops and self.limit_bytes else "")
         lines = [f"{'the wall' if self.stops else 'the highest phase'}: {self.phase}, "
-                 f"{format_bytes(self.peak_bytes)}{where}"]
+                 f"{format_bytes(self.peak_bytes)}{past}{where}"]
         if self.why:
             lines.append(f"  {self.why}")
         if self.owners:
@@ -153,7 +157,7 @@ class Wall:
             stops = limit_bytes is not None and peaks[phase] > limit_bytes
         else:
             stops = True
-        return cls(phase, peaks[phase], owners=phase_stats[phase].get("owners"), stops=stops)
+        return cls(phase, peaks[phase], owners=phase_stats[phase].get("owners"), stops=stops, limit_bytes=limit_bytes)
 
     def as_json(self) -> dict[str, Any]:
         return {"phase": self.phase, "peak_bytes": self.peak_bytes, "why": self.why or None,

@@ -120,7 +120,8 @@ class Estimate:
         pass the budget's limit is only the highest phase (`stops` False)."""
         phase = phase or self.highest_phase
         stops = self.limit_bytes is not None and self.phases[phase] > self.limit_bytes
-        return Wall(phase, self.phases[phase], why, point, owners=self.owners_at(phase), stops=stops)
+        return Wall(phase, self.phases[phase], why, point, owners=self.owners_at(phase), stops=stops,
+                    limit_bytes=self.limit_bytes)
 
     @property
     def host_phases(self) -> dict[str, int]:

@@ -148,7 +148,7 @@ def wall_of(job, overhead, estimator: Estimator, limit_bytes: int) -> Wall | Non
         return None
     why = models.load_note(estimate_request(space.apply(job, lightest), overhead)) if phase == "load" else ""
     return Wall(phase, found.phases[phase], why, point=f"even at the lightest point ({space.describe(lightest)})",
-                owners=found.owners_at(phase))
+                owners=found.owners_at(phase), limit_bytes=limit_bytes)
 
 
 def smallest_card(job, runner, overhead, estimator: Estimator, above_bytes: int, cards=CARD_SIZES_GB,
