@@ -84,6 +84,21 @@ def test_estimate_prints_the_wall_by_owner_and_each_phases_host_peak(tmp_path):
     assert any(line.startswith("host peak: ") and "the process " in line for line in lines)
 
 
+def test_probe_says_what_holds_the_phase_that_ran_out(tmp_path):
+    done = run_cli("probe", str(DEMO), "--json", cwd=tmp_path)  # the demo's 13.2 MiB: train runs out
+    assert done.returncode == 1, done.stderr
+    found = json.loads(done.stdout)
+    wall = found["wall"]
+    assert (found["status"], wall["phase"], wall["stops"]) == ("oom", "train", True)
+    assert wall["peak_bytes"] == found["phase_stats"]["train"]["peak_reserved"]
+    assert sum(o["bytes"] for o in wall["owners"]) == wall["peak_bytes"]  # the sim meter: the tensors, all owned
+    assert wall["owners"][0]["owner"] == "activations and transients"
+    lines = done.stderr.splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("the wall: train, ")))
+    assert lines[start - 1].startswith("does not fit: it ran out of memory in train")
+    assert lines[start + 2].split()[:3] == ["activations", "and", "transients"]
+
+
 # -- the host, to the byte ----------------------------------------------------------------------
 HOST_CASES = [
     ("flux", {}),
@@ -121,3 +136,19 @@ def test_the_estimate_counts_the_host_as_the_sim_meter_does(run_tiny, family, ch
     assert min(held.values()) > 0  # the VAE or the cached embeddings wait there in every phase: not 0 == 0
     if changes.get("model.layer_offloading"):  # the offloaded blocks stay in pinned host memory
         assert measured["phase_stats"]["train"]["host_pinned"] > 0
+
+
+# -- the search: its JSON and its report ----------------------------------------------------------
+def test_the_search_json_and_the_report_show_the_winners_wall_by_owner(demo_run):
+    folder, summary = demo_run
+    wall = summary["wall"]  # the winner's highest phase: it fits, so nothing stops it
+    assert wall["trial"] is not None and wall["stops"] is False and wall["phase"] == "train"
+    assert wall["owners"][0]["owner"] == "activations and transients"
+    assert sum(o["bytes"] for o in wall["owners"]) == wall["peak_bytes"]  # the sim meter's owners sum to its peak
+    written = json.loads((folder / "results" / "demo_flux_lora" / "summary.json").read_text())
+    assert written["wall"] == wall and written["phases"]["winner"]["wall"] == wall
+    page = (folder / "results" / "demo_flux_lora" / "report.html").read_text(encoding="utf-8")
+    section = page[page.index("<section id='owners'>"):]
+    section = section[:section.index("</section>")]
+    assert "What holds the memory at the wall" in section and "<h3>winner: train, " in section
+    assert "<td>activations and transients</td>" in section and "<td>LoRA</td>" in section
