@@ -48,12 +48,17 @@ def test_the_table_with_a_stored_calibration_picked_by_name(tmp_path):
     assert lines[0] == (f"estimate of {DEMO} (flux-tiny), GPU overhead (calibrated on NVIDIA GeForce RTX 4090): "
                         "context 300 MiB, cuBLAS workspace 8 MiB, fragmentation 2.0%")
     header = lines.index(next(line for line in lines if line.startswith("phase")))
-    assert lines[header].split() == ["phase", "tensors", "allocated", "peak", "of", "the", "budget"]
+    assert lines[header].split() == ["phase", "tensors", "allocated", "peak", "of", "the", "budget", "host"]
     rows = [line.split() for line in lines[header + 1:header + 7]]
-    assert [row[0] for row in rows] == ALL_PHASES and all(row[-1].endswith("%") for row in rows)
+    assert [row[0] for row in rows] == ALL_PHASES and all(row[-3].endswith("%") for row in rows)
+    assert all(row[-1] == "MiB" for row in rows)  # each phase's host peak: the process and its host tensors
     # train: 66.5 MiB of tensors and 8 MiB of workspace, 2% on top, and the 300 MiB context
-    assert lines[-1] == ("fits: peak 376 MiB of 1 GiB, 648 MiB to spare "
-                         "(under the limit 973 MiB: the budget less the 5% margin)")
+    headline = lines.index("fits: peak 376 MiB of 1 GiB, 648 MiB to spare "
+                           "(under the limit 973 MiB: the budget less the 5% margin)")
+    # then the highest phase by owner: the context the largest, the activations next
+    assert lines[headline + 1:headline + 3] == ["the highest phase: train, 376 MiB", "  by owner, at the phase's peak:"]
+    assert lines[headline + 3].split()[:3] == ["CUDA", "context", "300"]
+    assert lines[headline + 4].split()[:4] == ["activations", "and", "transients", "62.4"]
 
 
 def test_a_tight_estimate_warns_and_exits_0_where_the_search_would_not_take_it(tmp_path, demo_sim_peaks):
@@ -66,11 +71,14 @@ def test_a_tight_estimate_warns_and_exits_0_where_the_search_would_not_take_it(t
     found = json.loads(done.stdout)
     assert (found["verdict"], found["fits"], found["fits_with_margin"]) == ("tight", True, False)  # `fits` as before
     assert found["wall"]["phase"] == "train" and found["would_take"]["margin_at_most"] == 0.03
-    headline, *explained = done.stderr.splitlines()[-4:]  # with --json the lines go to stderr
+    lines = done.stderr.splitlines()  # with --json the lines go to stderr
+    headline, *explained = lines[next(i for i, line in enumerate(lines) if line.startswith("tight: peak")):]
     assert headline.startswith(f"tight: peak {format_bytes(peak)} of {format_bytes(budget)}, ")
     assert headline.endswith("warning: it may run out, and a search picks it only with --margin 0")
-    assert explained == [f"the wall: train, {format_bytes(peak)}", "with --margin 0.03 or less it fits this card",
-                         f"the smallest card that takes it: 8 GB, as written (peak {format_bytes(peak)})"]
+    assert explained[0].startswith(f"the wall: train, {format_bytes(peak)} (") and "past the limit" in explained[0]
+    assert explained[1] == "  by owner, at the phase's peak:"
+    assert explained[-2:] == ["with --margin 0.03 or less it fits this card",
+                              f"the smallest card that takes it: 8 GB, as written (peak {format_bytes(peak)})"]
 
 
 def test_search_on_estimates_says_how_far_a_better_tight_point_is_past_the_limit(tmp_path, demo_sim_peaks):
@@ -144,8 +152,12 @@ def test_search_on_estimates_when_nothing_fits_says_the_wall_and_the_smallest_ca
     # the job as written (66.5 MiB) fits the smallest card sold, so the best point there is the job itself
     assert would_take["card_gb"] == 8 and would_take["differs"] == "" and would_take["point"]["rank"] == 32
     lines = done.stderr.splitlines()
-    assert lines[-3].startswith("does not fit: nothing is predicted to fit under the limit of 3.8 MiB (4 MiB less")
-    assert lines[-2].startswith("the wall: train, ") and lines[-1].startswith("the smallest card that takes it: 8 GB")
+    wall_line = lines.index(next(line for line in lines if line.startswith("the wall: train, ")))
+    assert lines[wall_line - 1].startswith(
+        "does not fit: nothing is predicted to fit under the limit of 3.8 MiB (4 MiB less")
+    assert lines[wall_line + 2].split()[:3] == ["activations", "and", "transients"]  # what stops it in train
+    assert lines[-1].startswith("the smallest card that takes it: 8 GB")
+    assert wall["owners"][0]["owner"] == "activations and transients"
 
 
 def test_calibrate_without_that_gpu_is_bad_input(tmp_path):

@@ -109,7 +109,8 @@ def test_the_three_verdicts_their_exit_codes_and_lines():
     ]
     found = tight.as_json()
     assert (found["verdict"], found["fits"], found["limit_bytes"], tight.exit_code) == ("tight", True, limit, 0)
-    assert found["wall"] == {"phase": "load", "peak_bytes": 98 * 2**20, "why": "T5 is quantized there", "point": None}
+    assert found["wall"] == {"phase": "load", "peak_bytes": 98 * 2**20, "why": "T5 is quantized there", "point": None,
+                             "stops": True, "owners": None}
     assert found["would_take"]["card_gb"] == 8 and found["would_take"]["margin_at_most"] == 0.02
     assert verdict.smallest_card(int(20.5 * 2**30), 0.05) == 24  # 20 GB holds 19 GiB under its limit
     assert verdict.smallest_card(200 * 2**30, 0.05) is None

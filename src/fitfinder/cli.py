@@ -138,9 +138,9 @@ def search(
     out = Output(json_output, fancy=False if worker else None)
     job = _load(job_file, vram=vram, ram=ram, margin=margin, trials=trials, probe_steps=probe_steps,
                 timeout=timeout, script=script, arch=arch, trainer_command=trainer_command)
+    trainer_check.check(job)  # a trainer command that cannot run: one line, before any probe or note
     _default_ram(job)
     _notes(out, job)
-    trainer_check.check(job)  # a trainer command that cannot run: one line, before any probe
     budget_given = job.settings.vram_bytes is not None
     meter, gpus = _meter(gpu, job, out)
     if meter == "sim" and not force and not worker:
@@ -176,7 +176,8 @@ def search(
         return
     reporting.write_results(summary, results_dir / name, job)  # best.yaml, trials.csv, summary.json, report.html
     space_ = summary.space
-    out.result(summary.as_json())
+    shown = reporting.shown_result(space_, summary.known)
+    out.result({**summary.as_json(), "wall": reporting.wall_json(summary.optuna_study, shown, summary.limit_bytes)})
     report_file = results_dir / name / "report.html"
     if summary.best is None:
         lightest = summary.lightest
@@ -242,20 +243,21 @@ def probe(
     budget, over the limit) or does not fit (it ran out of memory). Exit code 0 when it fits or is
     tight (or no budget is given), 1 when it does not fit or the probe failed (crashed, timed
     out), 2 for bad input. With --json, stdout is the result object: verdict, status, phase (where
-    it ran out, if it did), phases (name -> peak bytes), phase_stats, seconds_per_step, error.
+    it ran out, if it did), phases (name -> peak bytes), phase_stats, seconds_per_step, error, wall
+    (the phase that ran out or peaked highest, with its owners on the sim meter: wall.owners).
     """
     from fitfinder import probe as probing
     from fitfinder.probe import trainer, trainer_command as trainer_check
     from fitfinder.results.output import Output, usage_bar
     from fitfinder.units import format_bytes
-    from fitfinder.verdict import NO_FIT, Verdict
+    from fitfinder.verdict import NO_FIT, Verdict, Wall
 
     out = Output(json_output)
     job = _load(job_file, vram=vram, ram=ram, margin=margin, probe_steps=steps, timeout=timeout,
                 names={"probe_steps": "--steps"}, script=script, arch=arch, trainer_command=trainer_command)
+    trainer_check.check(job)  # a trainer command that cannot run: one line, before any probe or note
     _default_ram(job)
     _notes(out, job)
-    trainer_check.check(job)  # a trainer command that cannot run: one line, before any probe
     meter, gpus = _meter(gpu, job, out, need_budget=False)
     if meter == "sim":
         _refuse_full_size_on_the_cpu(job, force_option=False)
@@ -272,6 +274,8 @@ def probe(
         verdict = Verdict(None, None, budget, job.settings.margin)
     host = _host_verdict(result.get("host_phases") or {}, job.settings.ram_bytes, result, budget, job.settings.margin)
     verdict = host or verdict
+    if "trainer_run" not in result and not host:  # a trainer's own storages carry no owner: only fitfinder's recipe
+        verdict.wall = Wall.of_probe(result.get("phase_stats") or {}, result.get("phase"), verdict.limit_bytes)
     out.result({**result, **verdict.as_json(), "reason": "host memory" if host else None})
     described = result.get("meter") or meter
     ram = job.settings.ram_bytes
@@ -294,6 +298,9 @@ def probe(
         out.line(result["error"])
     if verdict.verdict is not None:
         out.line(verdict.headline())
+    if verdict.wall is not None and verdict.wall.owners:  # the cuda meter counts no owners
+        for line in verdict.wall.lines():
+            out.line(line)
     if result["status"] in ("error", "timeout") or verdict.exit_code:
         raise typer.Exit(1)
 
@@ -364,7 +371,8 @@ def estimate(
     code 0 when it fits or is tight (or no budget is given), 1 when it does not fit (with
     --search: when nothing does), 2 for bad input. With --json, stdout is one object: verdict,
     fits (under the budget), peak_bytes, budget_bytes, limit_bytes, phases (name -> predicted peak
-    bytes), phase_stats, overhead, wall, would_take.
+    bytes), host_phases (name -> predicted host peak bytes), phase_stats, overhead, wall (with
+    wall.owners: what holds its memory, largest first), host_wall, would_take.
     """
     from fitfinder.probe import estimate as estimating, overhead
     from fitfinder.results.output import Output
@@ -382,13 +390,12 @@ def estimate(
         return
     found = estimating.run(job, runner, model)
     verdict = estimating.explain(job, found, model)
-    host_phases = {name: stats["peak_host"] for name, stats in found.phase_stats.items() if "peak_host" in stats}
+    host_phases = found.host_phases
     host = _host_verdict(host_phases, job.settings.ram_bytes, {"peak_bytes": found.peak_bytes}, found.budget_bytes,
                          job.settings.margin)
     verdict = host or verdict
     out.result({**found.as_json(), **verdict.as_json(), "ram_bytes": job.settings.ram_bytes,
-                "host_phases": host_phases, "host_peak_bytes": max(host_phases.values(), default=None),
-                "reason": "host memory" if host else None})
+                "host_peak_bytes": max(host_phases.values(), default=None), "reason": "host memory" if host else None})
     _print_estimate(out, job, found, verdict)
     if verdict.exit_code:
         raise typer.Exit(verdict.exit_code)
@@ -401,16 +408,32 @@ def _print_estimate(out, job, found, verdict) -> None:
     out.line(f"estimate of {job.source} ({found.arch_name}), {found.overhead.describe()}"
              + (f", RAM {format_bytes(ram)}" if ram else ""))
     _note_assumptions(out, job)
-    budget = found.budget_bytes
+    budget, hosts = found.budget_bytes, found.host_phases
     rows = [[name, format_bytes(stats["peak_live"]), format_bytes(stats["peak_allocated"]),
-             format_bytes(found.phases[name]), f"{found.phases[name] / budget:.0%}" if budget else ""]
+             format_bytes(found.phases[name]), f"{found.phases[name] / budget:.0%}" if budget else "",
+             format_bytes(hosts.get(name))]
             for name, stats in found.phase_stats.items()]
-    out.table(["phase", "tensors", "allocated", "peak", "of the budget"], rows)
+    out.table(["phase", "tensors", "allocated", "peak", "of the budget", "host"], rows)
+    _say_host_wall(out, found.host_wall())
     if found.seconds is not None and found.max_rss_bytes:
         out.line(f"({found.seconds:.1f} s, {found.cpu_seconds or 0:.1f} s of CPU, "
                  f"{format_bytes(found.max_rss_bytes)} of host memory)")
     for line in verdict.lines():
         out.line(line)
+
+
+def _say_host_wall(out, host_wall) -> None:
+    """One line for the host's peak: its phase, and what holds it (the process, the largest host tensors)."""
+    from fitfinder.units import format_bytes
+
+    if not host_wall:
+        return
+    held = [f"the process {format_bytes(host_wall['outside_bytes'])}"]
+    held += [f"{owner['owner']} {format_bytes(owner['bytes'])}" for owner in host_wall["owners"][:3]]
+    if len(host_wall["owners"]) > 3:
+        held.append(f"other {format_bytes(sum(owner['bytes'] for owner in host_wall['owners'][3:]))}")
+    pinned = f" ({format_bytes(host_wall['pinned_bytes'])} pinned)" if host_wall["pinned_bytes"] else ""
+    out.line(f"host peak: {host_wall['phase']}, {format_bytes(host_wall['peak_bytes'])}{pinned}: {', '.join(held)}")
 
 
 def _say_tight(out, space, tight, budget_bytes: int, limit_bytes: int, probed: bool = False) -> None:
@@ -458,8 +481,9 @@ def _estimate_search(job, runner, model, out) -> None:
         verdict = judge(result.peak_bytes, budget, job.settings.margin)
         if result.wall_reason:  # in the card, over the RAM budget
             verdict = f"{NO_FIT} in {result.host_failed_phases[0]}: {result.wall_reason}"
-        elif verdict == NO_FIT:
-            verdict += " in " + next(p for p, peak in result.phases.items() if peak > budget)
+        elif verdict == NO_FIT:  # how far over too: a peak a few MiB past 16 GiB also reads "16 GiB", 100%
+            phase, peak = next((p, peak) for p, peak in result.phases.items() if peak > budget)
+            verdict += f" in {phase} ({format_bytes(peak - budget)} over)"
         stage = result.extra.get("purpose") or ""
         card = "" if budget == job.settings.vram_bytes else f"{format_bytes(budget)} card  "
         out.line(f"estimate {result.trial:3d}  {card}{stage:<9} {space.describe(result.point)}  {verdict}  "
@@ -483,7 +507,8 @@ def _estimate_search(job, runner, model, out) -> None:
             out.line(line)
         raise typer.Exit(verdict.exit_code)
     tight = planner.best_tight(space, found.known, found.budget_bytes, found.best.point)
-    out.result({**found.as_json(), "tight": None if tight is None else {
+    wall = found.estimator.of(found.best.point).wall()  # estimated already: recalled, not run again
+    out.result({**found.as_json(), "wall": wall.as_json(), "tight": None if tight is None else {
         "point": tight.point, "peak_bytes": tight.peak_bytes,
         "margin_at_most": estimating.margin_fitting(tight.peak_bytes, found.budget_bytes)}})
     rows = [[row["knob"], space.by_name[row["knob"]].label(row["desired"]),
@@ -498,6 +523,8 @@ def _estimate_search(job, runner, model, out) -> None:
                  f"peak {format_bytes(other.peak_bytes)}")
     if found.alternatives:
         out.line("  (speed is not estimated: which of these is fastest, a probe on the card tells)")
+    for line in wall.lines():
+        out.line(line)
     _say_tight(out, space, tight, found.budget_bytes, found.limit_bytes)
 
 

@@ -13,9 +13,9 @@ it always meant) for readers of the older output.
 
 A `Verdict` says it in lines and JSON, with optional sections after the headline, each a small
 class with `lines()` and `as_json()` under its own key: `Wall` (the phase that stops it, and what
-the recipe holds there) and `WouldTake` (the smallest card that would take it). Sections to come
-slot in the same way: memory by owner at the wall (issue 33 item 1) as more lines of `Wall`, what
-another trainer would need (issue 30) as a section of its own.
+the recipe holds there, and what holds its memory, largest first: `owners`) and `WouldTake` (the
+smallest card that would take it). Sections to come slot in the same way: what another trainer
+would need (issue 30) as a section of its own.
 """
 
 from __future__ import annotations
@@ -69,10 +69,55 @@ def smallest_card(peak_bytes: int, margin: float, cards=CARD_SIZES_GB) -> float 
     return next((card for card in cards if peak_bytes <= limit_of(int(card * GiB), margin)), None)
 
 
+# -- memory by owner ------------------------------------------------------------------------------
+# The meters' owner tags (probe/meters/_tracker.py OWNERS; the estimate adds the GPU's own overhead
+# under readable names already) in the words the outputs use. `weights:<part>` is "<part> weights".
+OWNER_NAMES = {"lora": "LoRA", "gradients": "LoRA gradients", "optimizer": "optimizer state", "ema": "EMA",
+               "embeddings": "prompt embeddings", "latents": "latents",
+               "activations": "activations and transients"}
+SHOWN_OWNERS = 5  # the lines under a wall: the largest owners, then one line for the rest
+
+
+def owner_name(tag: str) -> str:
+    """'weights:text_encoder_2' -> 'text_encoder_2 weights', 'optimizer' -> 'optimizer state'."""
+    if tag.startswith("weights:"):
+        return f"{tag.split(':', 1)[1]} weights"
+    return OWNER_NAMES.get(tag, tag)
+
+
+def owner_lines(owners: dict[str, int], total_bytes: int, shown: int = SHOWN_OWNERS, indent: str = "  ") -> list[str]:
+    """The largest `shown` owners one a line (name, bytes, share of `total_bytes`), then the rest as
+    one "other" line; `owners` is {tag: bytes}, in any order."""
+    ranked = sorted(owners.items(), key=lambda item: -item[1])
+    rest = ranked[shown:]
+    rows = [(owner_name(tag), size) for tag, size in ranked[:shown]]
+    if len(rest) == 1:
+        rows.append((owner_name(rest[0][0]), rest[0][1]))
+    elif rest:
+        rows.append((f"other ({len(rest)} owners)", sum(size for _, size in rest)))
+    width = max((len(name) for name, _ in rows), default=0)
+    share = (lambda size: f"  {share_of(size, total_bytes):>4}") if total_bytes else (lambda size: "")
+    return [f"{indent}{name:<{width}}  {format_bytes(size):>9}{share(size)}" for name, size in rows]
+
+
+def share_of(size: int, total_bytes: int) -> str:
+    """'56%', or '<1%' for a share that rounds to nothing but is not nothing."""
+    share = size / total_bytes
+    return "<1%" if 0 < share < 0.005 else f"{share:.0%}"
+
+
+def owners_json(owners: dict[str, int]) -> list[dict[str, Any]]:
+    """Every owner, largest first: {owner (its readable name), tag (the meter's), bytes}."""
+    return [{"owner": owner_name(tag), "tag": tag, "bytes": int(size)}
+            for tag, size in sorted(owners.items(), key=lambda item: -item[1])]
+
+
 # -- the sections ---------------------------------------------------------------------------------
 @dataclass
 class Wall:
-    """The phase that stops a point: its peak, and what the recipe holds there when it knows."""
+    """The phase that stops a point (`stops`), or for a point that fits the phase with the highest
+    peak: its peak, what the recipe holds there when it knows, and what holds the memory there by
+    owner, largest first."""
 
     KEY = "wall"
 
@@ -80,17 +125,44 @@ class Wall:
     peak_bytes: int
     why: str = ""  # e.g. the part the loader quantizes on the card (models.load_note)
     point: str = ""  # which point, when it is not the job as written: "even at the lightest point (...)"
+    owners: dict[str, int] | None = None  # {owner tag: bytes} at the phase's peak; None where the meter has none
+    stops: bool = True  # False: the point fits, and this is only its highest phase
+    limit_bytes: int | None = None  # the search's limit, to say how far past it the wall is
 
     def lines(self) -> list[str]:
         where = f" {self.point}" if self.point else ""
-        lines = [f"the wall: {self.phase}, {format_bytes(self.peak_bytes)}{where}"]
+        # how far past: a peak 30 MiB over a 16 GiB budget reads "16 GiB" alone
+        past = (f" ({format_bytes(self.peak_bytes - self.limit_bytes)} past the limit of "
+                f"{format_bytes(self.limit_bytes)})" if self.stops and self.limit_bytes else "")
+        lines = [f"{'the wall' if self.stops else 'the highest phase'}: {self.phase}, "
+                 f"{format_bytes(self.peak_bytes)}{past}{where}"]
         if self.why:
-            lines.append(f"  {self.why}")  # memory by owner (issue 33 item 1) goes under it, largest first
+            lines.append(f"  {self.why}")
+        if self.owners:
+            lines.append("  by owner, at the phase's peak:")
+            lines += owner_lines(self.owners, self.peak_bytes, indent="    ")
         return lines
+
+    @classmethod
+    def of_probe(cls, phase_stats: dict[str, dict[str, Any]], phase: str | None = None,
+                 limit_bytes: int | None = None) -> "Wall | None":
+        """A probe's wall from its `phase_stats`: `phase` (where it ran out), else the phase of
+        the highest peak, which stops it when it passes `limit_bytes`; its owners where the meter
+        counts them (the sim meter's sum to the peak; the cuda meter has none). None without phases."""
+        peaks = {name: int(stats["peak_reserved"]) for name, stats in phase_stats.items()}
+        if phase not in peaks:
+            if not peaks:
+                return None
+            phase = max(peaks, key=lambda name: peaks[name])
+            stops = limit_bytes is not None and peaks[phase] > limit_bytes
+        else:
+            stops = True
+        return cls(phase, peaks[phase], owners=phase_stats[phase].get("owners"), stops=stops, limit_bytes=limit_bytes)
 
     def as_json(self) -> dict[str, Any]:
         return {"phase": self.phase, "peak_bytes": self.peak_bytes, "why": self.why or None,
-                "point": self.point or None}
+                "point": self.point or None, "stops": self.stops,
+                "owners": None if self.owners is None else owners_json(self.owners)}
 
 
 @dataclass
@@ -179,10 +251,10 @@ class Verdict:
                 f"{format_bytes(self.peak_bytes - self.budget_bytes)} over{where}")
 
     def lines(self) -> list[str]:
-        """The headline, then each section's lines; a bare wall (no why, no other point) whose
-        phase the headline already names says nothing more and is left out."""
+        """The headline, then each section's lines; a bare wall (no why, no other point, no owners)
+        whose phase the headline already names says nothing more and is left out."""
         sections = [s for s in self.sections()
-                    if not (s is self.wall and not (s.why or s.point) and s.phase == self.phase)]
+                    if not (s is self.wall and not (s.why or s.point or s.owners) and s.phase == self.phase)]
         return [self.headline(), *(line for section in sections for line in section.lines())]
 
     def as_json(self) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from fitfinder.probe import recipe
 from fitfinder.probe.overhead import GpuOverhead
 from fitfinder.probe.protocol import ProbeRequest, ProbeResult
 from fitfinder.probe.request import request_for as probe_request
-from fitfinder.verdict import NO_FIT, TIGHT, Verdict, Wall, WouldTake, smallest_card
+from fitfinder.verdict import NO_FIT, TIGHT, Verdict, Wall, WouldTake, owners_json, smallest_card
 
 def as_estimate(request: ProbeRequest, overhead: GpuOverhead) -> ProbeRequest:
     """A probe request as the estimate runs it: the estimate meter, one primed step, one denoising step."""
@@ -101,6 +101,46 @@ class Estimate:
         """The first phase (in the order they run) whose peak passes `threshold_bytes`."""
         return next((name for name, peak in self.phases.items() if peak > threshold_bytes), None)
 
+    @property
+    def highest_phase(self) -> str:
+        """The phase of the peak (the first, where two phases peak alike)."""
+        return max(self.phases, key=lambda name: self.phases[name])
+
+    def owners_at(self, phase: str) -> dict[str, int]:
+        """What holds the phase's peak, {owner tag: bytes}, largest first: summing to the card's
+        peak (the GPU's overhead and the allocator's rounding among them); with no overhead model,
+        the tensors alone, as the sim meter counts them (no rounding either)."""
+        owners = dict(self.phase_stats[phase].get("owners") or {})
+        if self.overhead.source == "none":
+            owners.pop("allocator rounding", None)
+        return owners
+
+    def wall(self, phase: str | None = None, why: str = "", point: str = "") -> Wall:
+        """`phase` (by default the highest) as a verdict's wall, with its owners; one that does not
+        pass the budget's limit is only the highest phase (`stops` False)."""
+        phase = phase or self.highest_phase
+        stops = self.limit_bytes is not None and self.phases[phase] > self.limit_bytes
+        return Wall(phase, self.phases[phase], why, point, owners=self.owners_at(phase), stops=stops,
+                    limit_bytes=self.limit_bytes)
+
+    @property
+    def host_phases(self) -> dict[str, int]:
+        """Phase -> the host's predicted peak: the process's own memory plus the host tensors."""
+        return {name: int(stats["peak_host"]) for name, stats in self.phase_stats.items() if "peak_host" in stats}
+
+    def host_wall(self) -> dict[str, Any] | None:
+        """The phase of the host's peak, its bytes, the process's own share (`outside_bytes`: what
+        the estimating process held before its tensors, standing in for the trainer's libraries)
+        and the host tensors by owner, largest first; None without host figures."""
+        hosts = self.host_phases
+        if not hosts:
+            return None
+        phase = max(hosts, key=lambda name: hosts[name])
+        stats = self.phase_stats[phase]
+        return {"phase": phase, "peak_bytes": hosts[phase], "outside_bytes": hosts[phase] - int(stats["host_tensors"]),
+                "pinned_bytes": int(stats.get("host_pinned") or 0),
+                "owners": owners_json(stats.get("host_owners") or {})}
+
     def as_json(self) -> dict[str, Any]:
         return {
             "verdict": self.verdict, "fits": self.fits, "peak_bytes": self.peak_bytes,
@@ -111,22 +151,25 @@ class Estimate:
             "phases": self.phases, "phase_stats": self.phase_stats, "arch": self.arch_name,
             "overhead": self.overhead.as_dict(), "seconds": self.seconds, "cpu_seconds": self.cpu_seconds,
             "max_rss_bytes": self.max_rss_bytes, "replayed": self.replayed,
+            "host_phases": self.host_phases, "host_wall": self.host_wall(),
         }
 
 
 def explain(job, found: Estimate, overhead: GpuOverhead) -> Verdict:
-    """The verdict of an estimate of `job`, and unless it fits, why: the wall (the first phase past
-    the budget, for a tight one past the limit, with what the load holds when the wall is the load)
-    and what would take it (the smallest card whose limit holds its peak; a tight one also fits
-    this card with a smaller margin)."""
+    """The verdict of an estimate of `job`, with its wall by owner: for one that fits (or has no
+    budget) its highest phase; else the first phase past the budget (for a tight one past the
+    limit), with what the load holds when the wall is the load, and what would take it (the
+    smallest card whose limit holds its peak; a tight one also fits this card with a smaller
+    margin)."""
     verdict = Verdict.of(found.peak_bytes, found.budget_bytes, found.margin)
     if verdict.verdict not in (TIGHT, NO_FIT):
+        verdict.wall = found.wall()
         return verdict
     threshold = found.budget_bytes if verdict.verdict == NO_FIT else verdict.limit_bytes
     phase = found.first_phase_over(threshold)
     verdict.phase = phase if verdict.verdict == NO_FIT else None
     why = models.load_note(request_for(job, overhead)) if phase == "load" else ""
-    verdict.wall = Wall(phase, found.phases[phase], why)
+    verdict.wall = found.wall(phase, why)
     card = smallest_card(found.peak_bytes, found.margin)
     verdict.would_take = WouldTake(card, found.peak_bytes if card else None,
                                    margin_at_most=margin_fitting(found.peak_bytes, found.budget_bytes)
@@ -311,11 +354,16 @@ class Estimator:
 
     def phases_or_none(self, point) -> dict[str, int] | None:
         """A point's predicted peak per phase, or None when its estimate fails (asked once)."""
+        found = self.of_or_none(point)
+        return None if found is None else found.phases
+
+    def of_or_none(self, point) -> Estimate | None:
+        """A point's estimate, or None when it fails (asked once)."""
         key = self.space.key(point)
         if key in self._failed:
             return None
         try:
-            return self.of(point).phases
+            return self.of(point)
         except RunFailed:
             self._failed.add(key)
             return None

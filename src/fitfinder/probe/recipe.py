@@ -430,7 +430,8 @@ def _training_step(pipe, request: dict, prompts: dict, expert: str, resolution: 
     loss.backward()
     del latents, noise, noisy, target, prediction, loss
     # Gradients the estimate's replays set without a backward hook (CheckpointedBlocks) are the gradients' too.
-    pipe.meter.claim("gradients", *(param.grad for param in pipe.trainable_parameters([expert]) if param.grad is not None))
+    grads = [param.grad for param in pipe.trainable_parameters([expert]) if param.grad is not None]
+    pipe.meter.claim("gradients", *grads)
 
 
 def _autocast(pipe, request: dict):

@@ -37,8 +37,9 @@ def request_for(job, steps: int, meter: str, budget_bytes: int | None, gpu: int 
 def _request(job, steps: int, meter: str, budget_bytes: int | None, gpu: int, spec: dict | None,
              fault: str | None) -> ProbeRequest:
     if hasattr(job, "probe_request"):  # a trainer's job maps itself, by its trainer's rules (trainers/)
-        return job.probe_request(steps=steps, meter=meter, budget_bytes=budget_bytes, gpu=gpu, spec=spec,
-                                 fault=fault, sample_steps=SAMPLE_STEPS)
+        return {**job.probe_request(steps=steps, meter=meter, budget_bytes=budget_bytes, gpu=gpu, spec=spec,
+                                    fault=fault, sample_steps=SAMPLE_STEPS),
+                **trainer_command.request_fields(job)}  # the user's trainer runs it, when the job names one
     spec = spec or models.model_spec(job)
     family = models.FAMILIES[spec["family"]]
     qtype, qtype_te = quant_types(job, family)

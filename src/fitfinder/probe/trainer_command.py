@@ -46,7 +46,7 @@ def check(job) -> list[str] | None:
         return None
     words = split(text)
     dialect = dialects.dialect_of(job)
-    _check_script(words, dialect)
+    _check_script(words, dialect, getattr(getattr(job, "script", None), "name", None))
     _check_program(words[0])
     if job.settings.weights == "random":
         raise UserError("--trainer-command with `fitfinder: {weights: random}`: the trainer loads "
@@ -75,7 +75,9 @@ def _check_program(program: str) -> None:
         raise UserError(f"--trainer-command: {program}: not found on PATH")
 
 
-def _check_script(words: list[str], dialect) -> None:
+def _check_script(words: list[str], dialect, job_script: str | None) -> None:
+    """Refuse a launcher, another trainer's script, and (for a kohya job, `job_script`) another script
+    of the same trainer: its parser would not take the job's options."""
     names = [Path(word).name for word in words]
     for launcher in _LAUNCHERS:
         if _find(names, launcher) is not None:
@@ -85,11 +87,14 @@ def _check_script(words: list[str], dialect) -> None:
     scripts = names + [name.rsplit(".", 1)[-1] + ".py" for name in names if "." in name and not name.endswith(".py")]
     for script in scripts:
         trainer = dialects.trainer_of_script(script)
+        own = job_script or ", ".join(dialect.scripts)
+        if trainer == dialect.key and job_script is not None and script != job_script:
+            raise UserError(f"--trainer-command: {script} is not this job's script; the job is for {job_script} "
+                            f"({dialect.name}): give {job_script} --config_file {JOB}")
         if trainer is None or trainer == dialect.key:
             continue
-        other = dialects.DIALECTS[trainer].name if trainer in dialects.DIALECTS else trainer
-        raise UserError(f"--trainer-command: {script} belongs to {other}, which cannot read this {dialect.name} "
-                        f"job; give {dialect.name}'s own command ({', '.join(dialect.scripts)})")
+        raise UserError(f"--trainer-command: {script} belongs to {dialects.DIALECTS[trainer].name}, which cannot "
+                        f"read this {dialect.name} job; give {dialect.name}'s own command ({own})")
 
 
 def _find(names: list[str], sequence: tuple[str, ...]) -> int | None:

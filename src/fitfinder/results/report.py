@@ -28,7 +28,7 @@ from fitfinder.search.loop import SearchSummary
 from fitfinder.search.study import params_of
 from fitfinder.space import PHASES, Point, Space
 from fitfinder.units import format_bytes
-from fitfinder.verdict import FITS, TIGHT
+from fitfinder.verdict import FITS, TIGHT, Wall, owner_name, share_of
 
 
 def check_output_dir(path: Path, option: str) -> None:
@@ -187,9 +187,9 @@ def write_report(study, space: Space, known, out_dir: Path, summary: dict[str, A
     winner = planner.best(space, known)
     rows = planner.explain(space, known, winner.point) if winner else []
     base = next(iter(known.probed(space.desired())), None)
-    other = winner or min((r for r in known.results if r.peak_bytes), key=lambda r: r.peak_bytes, default=None)
-    payload = {**summary, "explanation": rows,
-               "phases": {"base": _phase_facts(base), "winner": _phase_facts(winner)},
+    other = shown_result(space, known)
+    payload = {**summary, "explanation": rows, "wall": wall_json(study, other, limit),
+               "phases": {"base": _phase_facts(base, study, limit), "winner": _phase_facts(winner, study, limit)},
                "files": {"report": "report.html", "summary": "summary.json", "trials": "trials.csv",
                          "best": "best.yaml" if winner else None}}
     out_dir = Path(out_dir)
@@ -227,6 +227,10 @@ def write_report(study, space: Space, known, out_dir: Path, summary: dict[str, A
             "Peak of each phase: " + (" against ".join(label.split(",")[0] for label, _ in groups[::-1])),
             "The highest memory in use during each phase of the probe.",
             _plots.phase_bars(groups, PHASES, budget, limit), "phases"))
+    walls = [(label, wall_of(study, result, limit)) for label, result in
+             (("base", base), ("winner" if winner else "lowest peak", other if other is not base else None))]
+    if any(wall and wall.owners for _, wall in walls):
+        sections.append(_owners_section([(label, wall) for label, wall in walls if wall and wall.owners]))
     if any(p.host_peak_bytes is not None for p in probes):
         sections.append(_figure_section(
             "Host memory beside the card",
@@ -286,12 +290,37 @@ def _whole_point(space: Space, point: dict) -> Point | None:
     return point if space.contains(point) else None
 
 
-def _phase_facts(result) -> dict[str, Any] | None:
+def _phase_facts(result, study, limit_bytes: int | None) -> dict[str, Any] | None:
     if result is None:
         return None
     return {"trial": result.trial, "point": result.point, "status": result.status,
-            "peak_bytes": result.peak_bytes, "phases": result.phases,
+            "peak_bytes": result.peak_bytes, "phases": result.phases, "wall": wall_json(study, result, limit_bytes),
             "host_peak_bytes": result.host_peak_bytes, "host_phases": result.host_phases}
+
+
+def shown_result(space: Space, known):
+    """The probe the search's summary explains: the winner, else the one of the lowest peak."""
+    winner = planner.best(space, known)
+    return winner or min((r for r in known.results if r.peak_bytes), key=lambda r: r.peak_bytes, default=None)
+
+
+def wall_of(study, result, limit_bytes: int | None) -> Wall | None:
+    """A probe's wall (verdict.Wall.of_probe) from its trial's phases: where it ran out, else its
+    highest phase, with what holds the memory there by owner; None for no result or no phases."""
+    if result is None or result.trial < 0:
+        return None
+    trial = next((t for t in study.get_trials(deepcopy=False) if t.number == result.trial), None)
+    stats = trial.user_attrs.get("phase_stats") if trial is not None else None
+    if not isinstance(stats, dict):
+        return None
+    ran_out = result.phase if result.status == "oom" else None
+    return Wall.of_probe(stats, ran_out, limit_bytes)
+
+
+def wall_json(study, result, limit_bytes: int | None) -> dict[str, Any] | None:
+    """summary.json's and `search --json`'s `wall`: the winner's (or the lowest peak's), by owner."""
+    wall = wall_of(study, result, limit_bytes)
+    return None if wall is None else {"trial": result.trial, **wall.as_json()}
 
 
 # -- the page ------------------------------------------------------------------------------------
@@ -370,6 +399,22 @@ def _tiers_section(found: dict[str, Any]) -> str:
 
 def _figure_section(title: str, note: str, fig, div_id: str) -> str:
     return f"<section><h2>{_e(title)}</h2><p class='note'>{_e(note)}</p>{_plots.to_div(fig, div_id)}</section>"
+
+
+def _owners_section(walls: list[tuple[str, Wall]]) -> str:
+    """Each probe's wall (where it ran out, else its highest phase) split by owner, largest first."""
+    tables = []
+    for label, wall in walls:
+        rows = "".join(f"<tr><td>{_e(owner_name(tag))}</td><td>{_e(format_bytes(size))}</td>"
+                       f"<td>{share_of(size, wall.peak_bytes)}</td></tr>"
+                       for tag, size in sorted(wall.owners.items(), key=lambda item: -item[1]))
+        tables.append(f"<h3>{_e(label)}: {_e(wall.phase)}, {_e(format_bytes(wall.peak_bytes))}</h3>"
+                      f"<table class='grid'><tr><th>owner</th><th>bytes</th><th>share</th></tr>{rows}</table>")
+    return ("<section id='owners'><h2>What holds the memory at the wall</h2><p class='note'>The phase that ran out "
+            "of memory, or the one with the highest peak, by owner at its peak: each part's weights, the LoRA, its "
+            "gradients, the optimizer's state, activations and transients (whatever no code claims while it is "
+            "made); with an estimate also the GPU's own overhead. The cuda meter counts no owners.</p>"
+            + "".join(tables) + "</section>")
 
 
 def _trials_section(space: Space, probes: list, budget: int | None) -> str:

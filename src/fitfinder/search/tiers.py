@@ -154,12 +154,13 @@ def wall_of(job, overhead, estimator: Estimator, limit_bytes: int) -> Wall | Non
     every point."""
     space = estimator.space
     lightest = space.lightest()
-    phases = estimator.phases_or_none(lightest)
-    phase = next((name for name, peak in (phases or {}).items() if peak > limit_bytes), None)
+    found = estimator.of_or_none(lightest)
+    phase = None if found is None else found.first_phase_over(limit_bytes)
     if phase is None:
         return None
     why = models.load_note(estimate_request(space.apply(job, lightest), overhead)) if phase == "load" else ""
-    return Wall(phase, phases[phase], why, point=f"even at the lightest point ({space.describe(lightest)})")
+    return Wall(phase, found.phases[phase], why, point=f"even at the lightest point ({space.describe(lightest)})",
+                owners=found.owners_at(phase), limit_bytes=limit_bytes)
 
 
 def smallest_card(job, runner, overhead, estimator: Estimator, above_bytes: int, cards=CARD_SIZES_GB,

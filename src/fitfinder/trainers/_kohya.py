@@ -203,6 +203,56 @@ class KohyaJob:
     def dumps(self, header: list[str] | None = None) -> str:
         return next(iter(self.files("best", header).values()))
 
+    def options_set(self) -> dict[str, Any]:
+        """Every option the job sets, with the value the trainer runs with (see `options_set`)."""
+        return options_set(self)
+
+    def dataset_data(self) -> dict[str, Any]:
+        """The dataset TOML as data, with fitfinder's changes in it."""
+        edits, _ = self.trainer.dataset_edits(self, _dataset_changes(self))
+        return _toml.parse(_dataset_text(self, edits), str(self.dataset_path))
+
+
+def _dataset_changes(job: KohyaJob) -> dict[str, Any]:
+    return {key: value for key, value in job.changes.items() if key.startswith("datasets[")}
+
+
+def options_set(job: KohyaJob) -> dict[str, Any]:
+    """Every option the job sets (its config TOML's, its command line's, fitfinder's changes, and the
+    options a dataset change lands in, such as --train_batch_size), by name, with the value the trainer
+    runs with; unset ones (None) left out. What one --config_file TOML holds to run the same job:
+    read_config_from_file (sd-scripts library/train_util.py, musubi-tuner training/parser_common.py)
+    flattens its tables into the namespace the command line is parsed over."""
+    _, from_datasets = job.trainer.dataset_edits(job, _dataset_changes(job))
+    changed = [key for key in job.changes if not key.startswith(("datasets[", "cache:", PROMPTS_SIZE))]
+    found: dict[str, Any] = {}
+    for name in dict.fromkeys([*job.config, *job.line_flags, *changed, *from_datasets]):
+        value = from_datasets.get(name, job.get(name))
+        if value is None:
+            continue
+        if name not in job.options and name in job.line_flags:
+            value = _as_written(value)
+        found[name] = list(value) if isinstance(value, tuple) else value
+    return found
+
+
+def _as_written(value: Any) -> Any:
+    """An option the parser fitfinder read does not declare holds its words as written: a number or a
+    boolean in a TOML where a word reads as one, since argparse converts the command line's strings,
+    not what the config file put in the namespace (ArgumentParser.parse_known_args)."""
+    if isinstance(value, list):
+        return [_as_written(item) for item in value]
+    if not isinstance(value, str):
+        return value
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            continue
+    return value
+
 
 # -- reading the files ------------------------------------------------------------------------
 def parse_flags(words: list[_shell.Word], options: dict[str, Option], source: str) -> dict[str, tuple[int, int, Any]]:
@@ -706,6 +756,26 @@ def prompt_text(job: KohyaJob) -> str | None:
     text = read_text(path, "sample prompt file")
     size = job.changes.get(PROMPTS_SIZE)
     return text if size is None else _sized_prompts(text, *size, job.trainer.PREVIEW_DEFAULT(job))
+
+
+def largest_prompt_line(job: KohyaJob) -> str | None:
+    """The prompt file's line with the most pixels (x --f frames for video; the script's default size
+    where a line gives none), with fitfinder's preview size in it; None without a .txt prompt file.
+    Every preview holds the same memory per denoising step, and the largest sets the peak."""
+    text = prompt_text(job)
+    if text is None:
+        return None
+    width, height = job.trainer.PREVIEW_DEFAULT(job)
+
+    def pixels(line: str) -> int:
+        options = dict(part.strip().partition(" ")[::2] for part in line.split(" --")[1:])
+        try:
+            return int(options.get("w", width)) * int(options.get("h", height)) * int(options.get("f", 1))
+        except ValueError:  # a malformed number: the trainer reads it as it will
+            return 0
+
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+    return max(lines, key=pixels, default=None)
 
 
 # A change to the previews' size: every prompt line's --w and --h at most these (the largest becomes them).

@@ -47,6 +47,7 @@ class PhaseClock:
         side = tracker.host
         return {"peak_host": self.host_outside_bytes + side.peak_bytes, "host_tensors": side.peak_bytes,
                 "host_pinned": side.peak_pinned, "host_owners": side.peak_owners,
+                "both_tensors": tracker.peak_both_bytes,
                 "host_rss": _host.peak_bytes() if measured else None}
 
     @property
