@@ -379,6 +379,11 @@ def test_what_an_estimate_froze_goes_back_to_the_collector_at_the_next(estimates
     assert tracked[3] - tracked[1] < 1_000, tracked
 
 
+def _without_owners(phase_stats: dict) -> dict:
+    return {phase: {key: value for key, value in stats.items() if key not in ("owners", "host_owners", "peak_host")}
+            for phase, stats in phase_stats.items()}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("family", "changes", "replays"), [
     ("flux", {"model.quantize": True, "train.gradient_accumulation": 2}, 4),  # 8-bit weights, gradients kept
@@ -387,7 +392,13 @@ def test_what_an_estimate_froze_goes_back_to_the_collector_at_the_next(estimates
 def test_checkpointed_blocks_are_replayed_in_training_with_the_same_peaks(family, changes, replays):
     replayed = _deep_tiny_estimate(family, changes, replay=True)
     run = _deep_tiny_estimate(family, changes, replay=False)
-    assert replayed["phase_stats"] == run["phase_stats"]  # every phase's three peaks, to the byte
+    # Every phase's peaks, device and host tensors, to the byte (peak_host adds the process's own
+    # resident memory, measured, which two processes never share to the byte). Who holds the peak is
+    # split alike in total only: a replay's rise is the activations' (what the block made), where the
+    # run hands a block's gradients to their owner as each is accumulated.
+    assert _without_owners(replayed["phase_stats"]) == _without_owners(run["phase_stats"])
+    for phase, stats in run["phase_stats"].items():
+        assert sum(replayed["phase_stats"][phase]["owners"].values()) == sum(stats["owners"].values())
     # Per stack of six: the first block runs (its inputs need no gradient), the second is measured
     # forward, the fifth backward, the sixth runs; the third and fourth are replayed. FLUX.1 has two
     # stacks (double and single blocks), Wan one.

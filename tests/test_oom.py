@@ -170,9 +170,12 @@ def test_what_is_not_the_host_running_out(text):
     assert oom.classify(text).kind != "host"
 
 
-def test_an_exception_keeps_its_classification_host_ram_is_read_from_logs_only():
-    # A probe's own MemoryError is reported as the error it is: the search prunes GPU settings on OOMs.
-    assert oom.classify(MemoryError("Unable to allocate 4.00 GiB")).kind == "not_oom"
+def test_a_probes_own_memory_error_is_the_host_running_out():
+    # The host is a budget of its own (issue 32): the sim meter raises MemoryError past --ram, and the
+    # search prunes a host failure by the knobs' host order, never the card's settings.
+    verdict = oom.classify(MemoryError("host out of memory (simulated): tried to allocate 4.00 GiB"))
+    assert verdict.is_oom and verdict.kind == "host"
+    assert oom.classify(RuntimeError("Unable to allocate 4.00 GiB")).kind == "not_oom"
 
 
 # -- a long line costs its length ------------------------------------------------------------------------
