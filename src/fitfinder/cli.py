@@ -284,9 +284,10 @@ def probe(
     if "trainer_run" in result:
         _print_trainer_probe(out, result, meter)
     else:
-        rows = [[name, format_bytes(p["peak_allocated"]), format_bytes(p["peak_reserved"]), f"{p['seconds']:.2f}"]
+        rows = [[name, format_bytes(p["peak_allocated"]), format_bytes(p["peak_reserved"]), f"{p['seconds']:.2f}",
+                 format_bytes(p["peak_host"]) if "peak_host" in p else "-"]
                 for name, p in result.get("phase_stats", {}).items()]
-        out.table(["phase", "peak allocated", "peak reserved", "seconds"], rows)
+        out.table(["phase", "peak allocated", "peak reserved", "seconds", "host"], rows)
     if result.get("outside_bytes"):
         out.line(f"each peak includes {format_bytes(result['outside_bytes'])} outside PyTorch "
                  "(CUDA context, libraries, other processes on the card)")
