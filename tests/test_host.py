@@ -142,3 +142,20 @@ def _shown(size: int) -> str:
     from fitfinder.units import format_bytes
 
     return format_bytes(size)
+
+
+def test_estimate_search_under_too_little_ram_names_the_host_as_the_wall(folder):
+    """`estimate --search` with a RAM budget under what the process alone holds: every point is
+    stopped by host memory, so the verdict names it, the wall is the host's (its phase, what holds
+    it, the process first) and no point is offered as tight, since no margin makes it fit."""
+    done = run_cli("estimate", "job.yaml", "--vram", "1GiB", "--ram", "100MiB", "--search", cwd=folder)
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.splitlines() + done.stdout.splitlines()
+    verdict = next(line for line in lines if line.startswith("does not fit: nothing is predicted to fit"))
+    assert "host memory stopped 3 of them, past the RAM budget of 100 MiB" in verdict, verdict
+    wall = next(line for line in lines if line.startswith("the wall:"))
+    assert wall.startswith("the wall: load,") and "in host memory at the point it stops least" in wall, wall
+    owners = lines[lines.index(wall) + 3]
+    assert owners.split()[:2] == ["the", "process"], owners
+    assert not any("is tight here" in line for line in lines)
+    assert any(line.startswith("no card up to 141 GB is predicted to take it within 100 MiB of RAM") for line in lines)

@@ -181,6 +181,7 @@ class WouldTake:
     tight: str = ""  # that point, when it is not the one the headline judged
     tight_peak_bytes: int | None = None
     largest_gb: float = CARD_SIZES_GB[-1]
+    ram_bytes: int | None = None  # the host's budget, when host memory stopped points: no card helps past it
 
     def lines(self) -> list[str]:
         lines = []
@@ -188,7 +189,8 @@ class WouldTake:
             which = f"{self.tight} (peak {format_bytes(self.tight_peak_bytes)}) is tight here: " if self.tight else ""
             lines.append(f"{which}with --margin {self.margin_at_most:.2f} or less it fits this card")
         if self.card_gb is None:
-            lines.append(f"no card up to {self.largest_gb:g} GB is predicted to take it")
+            within = f" within {format_bytes(self.ram_bytes)} of RAM (--ram)" if self.ram_bytes else ""
+            lines.append(f"no card up to {self.largest_gb:g} GB is predicted to take it{within}")
         else:
             how = f", with {self.differs}" if self.differs else ", as written"
             lines.append(f"the smallest card that takes it: {self.card_gb:g} GB{how} "

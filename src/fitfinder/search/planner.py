@@ -655,11 +655,12 @@ def best_tight(space: Space, known: Knowledge, budget_bytes: int | None,
     """The highest-quality result that ran under `budget_bytes` but past the limit (tight, in
     verdict.py's words: never picked, unless the margin is 0), the lowest peak among equals; with
     `at_least`, only one of at least that point's quality (the winner's: what the margin cost).
-    None when there is none."""
+    None when there is none. A point the host stops (past --ram) is not tight: no margin lets it fit."""
     if not budget_bytes:
         return None
     tight = [r for r in known.results
-             if r.status == "ok" and r.verdict != FIT and r.peak_bytes is not None and r.peak_bytes <= budget_bytes]
+             if r.status == "ok" and r.verdict != FIT and r.peak_bytes is not None and r.peak_bytes <= budget_bytes
+             and not r.host_failed_phases]
     if at_least is not None:
         floor = space.quality_key(at_least)
         tight = [r for r in tight if space.quality_key(r.point) >= floor]

@@ -163,6 +163,22 @@ def wall_of(job, overhead, estimator: Estimator, limit_bytes: int) -> Wall | Non
                 owners=found.owners_at(phase), limit_bytes=limit_bytes)
 
 
+def host_wall_of(estimator: Estimator, known, ram_bytes: int) -> Wall | None:
+    """Where the host stops the point it stops least: of the points ruled out by host memory alone,
+    the one with the lowest host peak, its host peak's phase and what holds the host there."""
+    stopped = [r for r in known.results if r.host_failed_phases and not r.failed_phases and r.host_peak_bytes]
+    closest = min(stopped, key=lambda r: r.host_peak_bytes, default=None)
+    found = None if closest is None else estimator.of_or_none(closest.point)
+    host = None if found is None else found.host_wall()
+    if host is None:
+        return None
+    owners = {item["tag"]: item["bytes"] for item in host["owners"]}
+    owners["the process (Python, torch, libraries)"] = host["outside_bytes"]  # not a tag: its name reads as is
+    return Wall(host["phase"], host["peak_bytes"], f"host memory: past the RAM budget of {format_bytes(ram_bytes)}",
+                point=f"in host memory at the point it stops least ({estimator.space.describe(closest.point)})",
+                owners=owners, limit_bytes=ram_bytes)
+
+
 def smallest_card(job, runner, overhead, estimator: Estimator, above_bytes: int, cards=CARD_SIZES_GB,
                   on_estimate=None) -> Tier | None:
     """The tier of the smallest card of `cards` larger than `above_bytes` on which the planner
@@ -198,8 +214,14 @@ def nothing_fits(job, runner, overhead, estimator: Estimator, budget_bytes: int,
                       tight_peak_bytes=closest.peak_bytes if closest else None, largest_gb=cards[-1])
     wall = wall_of(job, overhead, estimator, limit)
     counted = f"; {estimates} estimates" if estimates else ""
+    stopped = sum(1 for r in known.results if r.host_failed_phases) if known is not None else 0
+    would.ram_bytes = job.settings.ram_bytes if stopped else None
+    if wall is None and stopped:
+        wall = host_wall_of(estimator, known, job.settings.ram_bytes)
+    host = (f"; host memory stopped {stopped} of them, past the RAM budget of {format_bytes(job.settings.ram_bytes)}"
+            if stopped and job.settings.ram_bytes else "")
     summary = (f"nothing is predicted to fit under the limit of {format_bytes(limit)} "
-               f"({format_bytes(budget_bytes)} less the {margin:.0%} margin{counted})")
+               f"({format_bytes(budget_bytes)} less the {margin:.0%} margin{counted}{host})")
     return Verdict(NO_FIT, wall.peak_bytes if wall else None, budget_bytes, margin, phase=wall.phase if wall else None,
                    summary=summary, wall=wall, would_take=would)
 
