@@ -22,7 +22,7 @@ from fitfinder import probe, trainers
 from fitfinder.probe import dialects
 from fitfinder.units import parse_budget
 from tests.conftest import ROOT, assert_one_clean_line, run_cli
-from tests.test_trainer_probe import _flux_folder, _images
+from tests.test_trainer_probe import _flux_folder, _images, _snapshot
 
 pytestmark = pytest.mark.slow
 
@@ -69,10 +69,6 @@ batch_size = 1
 image_directory = "../images"
 cache_directory = "cache"
 """
-
-
-def _snapshot(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")

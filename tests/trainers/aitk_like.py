@@ -23,12 +23,13 @@ import gc
 import json
 import os
 import sys
-import zlib
 from pathlib import Path
 
 import torch
 import yaml
 from tqdm import tqdm
+
+import tiny_flux  # beside this script (tests/trainers/tiny_flux.py)
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
 
@@ -111,7 +112,7 @@ class Trainer:
         if self.train.get("cache_text_embeddings"):
             for dataset in self.datasets:
                 print(f"Caching text_embeddings for {dataset['folder_path']}")  # cache_text_embeddings
-            self.cached_prompts = {image: self.encode([_caption(image)]) for image, _ in items}
+            self.cached_prompts = {image: self.encode([tiny_flux.caption(image)]) for image, _ in items}
             del self.t5, self.clip  # toolkit/unloader.py: the encoders go for good
             gc.collect()
         self.cached_latents = {}
@@ -119,7 +120,7 @@ class Trainer:
             for dataset in self.datasets:
                 print(f"Caching latents for {dataset['folder_path']}")  # cache_latents_all_latents
             for image, resolution in items:
-                latents = self.encode_images(_pixels(image, resolution).unsqueeze(0))
+                latents = self.encode_images(tiny_flux.pixels(image, resolution).unsqueeze(0))
                 self.cached_latents[(image, resolution)] = latents
                 if any(d.get("cache_latents_to_disk") for d in self.datasets):
                     cache = image.parent / "_latent_cache"  # next to the image, as AI Toolkit keeps it
@@ -131,12 +132,7 @@ class Trainer:
 
     # -- encoding --------------------------------------------------------------------------------------
     def encode(self, captions: list[str]) -> dict:
-        with torch.no_grad():
-            clip_ids = _hashed_ids(captions, 77, self.clip.config.vocab_size, self.device)
-            t5_ids = _hashed_ids(captions, self.t5_length, self.t5.config.vocab_size, self.device)
-            pooled = self.clip(input_ids=clip_ids).pooler_output
-            text = self.t5(input_ids=t5_ids).last_hidden_state
-        return {"pooled_projections": pooled.to(self.dtype), "encoder_hidden_states": text.to(self.dtype)}
+        return tiny_flux.encode(self.clip, self.t5, self.t5_length, captions, self.device, self.dtype)
 
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -147,7 +143,7 @@ class Trainer:
         if self.train.get("cache_text_embeddings"):
             cached = [self.cached_prompts[image] for image in images]
             return {key: torch.cat([c[key] for c in cached]) for key in cached[0]}
-        return self.encode([_caption(image) for image in images])
+        return self.encode([tiny_flux.caption(image) for image in images])
 
     # -- the loop ----------------------------------------------------------------------------------------
     def loop(self, batches: "Batches") -> None:
@@ -195,22 +191,7 @@ class Trainer:
         return float(loss.detach())
 
     def predict(self, latents: torch.Tensor, t: torch.Tensor, cond: dict, guidance: float = 1.0) -> torch.Tensor:
-        """One transformer call on latents packed 2x2 into tokens, as FluxPipeline packs them."""
-        batch, channels, height, width = latents.shape
-        tokens = latents.view(batch, channels, height // 2, 2, width // 2, 2).permute(0, 2, 4, 1, 3, 5)
-        tokens = tokens.reshape(batch, (height // 2) * (width // 2), channels * 4)
-        ids = torch.zeros(height // 2, width // 2, 3, device=self.device, dtype=self.dtype)
-        ids[..., 1] += torch.arange(height // 2, device=self.device, dtype=self.dtype)[:, None]
-        ids[..., 2] += torch.arange(width // 2, device=self.device, dtype=self.dtype)[None, :]
-        text = cond["encoder_hidden_states"]
-        embedded = torch.full((batch,), guidance, device=self.device, dtype=self.dtype) \
-            if self.transformer.config.guidance_embeds else None
-        out = self.transformer(hidden_states=tokens, timestep=t, guidance=embedded,
-                               pooled_projections=cond["pooled_projections"], encoder_hidden_states=text,
-                               txt_ids=torch.zeros(text.shape[1], 3, device=self.device, dtype=self.dtype),
-                               img_ids=ids.reshape(-1, 3)).sample
-        out = out.view(batch, height // 2, width // 2, channels, 2, 2).permute(0, 3, 1, 4, 2, 5)
-        return out.reshape(batch, channels, height, width)
+        return tiny_flux.predict(self.transformer, latents, t, cond, guidance)
 
     # -- previews and the save -------------------------------------------------------------------------
     def sample(self, step: int) -> None:
@@ -226,16 +207,9 @@ class Trainer:
             width = int(item.get("width", self.sample_config.get("width", 512))) // 16 * 16
             height = int(item.get("height", self.sample_config.get("height", 512))) // 16 * 16
             cond = self.encode([str(item.get("prompt", ""))]) if hasattr(self, "t5") else self._cached_prompt()
-            with torch.no_grad():
-                factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
-                latents = torch.randn(1, self.vae.config.latent_channels, height // factor, width // factor,
-                                      device=self.device, dtype=self.dtype)
-                for level in range(steps, 0, -1):
-                    t = torch.full((1,), level / steps, device=self.device, dtype=self.dtype)
-                    velocity = self.predict(latents, t, cond, float(self.sample_config.get("guidance_scale", 4)))
-                    latents = latents - velocity / steps
-                image = self.vae.decode(latents / self.scale + self.shift).sample
-            pixels = ((image[0].float().clamp(-1, 1) + 1) * 127.5).permute(1, 2, 0).to(torch.uint8).cpu().numpy()
+            guidance = float(self.sample_config.get("guidance_scale", 4))
+            pixels = tiny_flux.preview(self.transformer, self.vae, cond, width, height, steps, guidance, self.device,
+                                       self.dtype, self.shift, self.scale)
             Image.fromarray(pixels).save(folder / f"{step:09d}_{index}.png")
 
     def _cached_prompt(self) -> dict:
@@ -287,7 +261,7 @@ class _Items(torch.utils.data.Dataset):
         resolution, images = self.batches[index]
         scratch = int(os.environ.get("AITK_LIKE_WORKER_SCRATCH_BYTES", "0"))
         held = torch.ones(scratch, dtype=torch.uint8) if scratch else None
-        pixels = torch.stack([_pixels(image, resolution) for image in images])
+        pixels = torch.stack([tiny_flux.pixels(image, resolution) for image in images])
         del held
         return images, resolution, pixels
 
@@ -300,34 +274,6 @@ def _images(dataset: dict) -> list[Path]:
 def _resolutions(dataset: dict) -> list[int]:
     resolution = dataset.get("resolution", 512)
     return [int(r) for r in (resolution if isinstance(resolution, list) else [resolution])]
-
-
-def _caption(image: Path) -> str:
-    caption = image.with_suffix(".txt")
-    return caption.read_text().strip() if caption.exists() else ""
-
-
-def _pixels(image: Path, resolution: int) -> torch.Tensor:
-    """The image center-cropped to a square of `resolution` (a multiple of 16), in [-1, 1]."""
-    from PIL import Image
-
-    side = resolution // 16 * 16
-    with Image.open(image) as opened:
-        picture = opened.convert("RGB")
-        shorter = min(picture.size)
-        left, top = (picture.width - shorter) // 2, (picture.height - shorter) // 2
-        picture = picture.crop((left, top, left + shorter, top + shorter)).resize((side, side))
-        data = torch.frombuffer(bytearray(picture.tobytes()), dtype=torch.uint8)
-    return data.view(side, side, 3).permute(2, 0, 1).float() / 127.5 - 1
-
-
-def _hashed_ids(captions: list[str], length: int, vocab: int, device) -> torch.Tensor:
-    rows = []
-    for caption in captions:
-        words = caption.split()[:length - 1]
-        ids = [zlib.crc32(word.encode()) % (vocab - 2) + 1 for word in words] + [vocab - 1]
-        rows.append(ids + [0] * (length - len(ids)))
-    return torch.tensor(rows, device=device)
 
 
 def _max_length(tokenizer_folder: Path, default: int) -> int:

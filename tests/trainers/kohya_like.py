@@ -25,12 +25,13 @@ import math
 import os
 import sys
 import tomllib
-import zlib
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
+
+import tiny_flux  # beside this script (tests/trainers/tiny_flux.py)
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
 
@@ -124,7 +125,7 @@ class Trainer:
             return
         log("caching latents with caching strategy.")  # train_util.DatasetGroup.new_cache_latents
         for image, side in self.items:
-            latents = self.encode_images(_pixels(image, side).unsqueeze(0))
+            latents = self.encode_images(tiny_flux.pixels(image, side).unsqueeze(0))
             self.latents[image] = latents
             if self.args.get("cache_latents_to_disk"):  # strategy_flux.get_latents_npz_path: next to the image
                 np.savez(image.with_name(f"{image.stem}_{side:04d}x{side:04d}_flux.npz"),
@@ -137,7 +138,7 @@ class Trainer:
         log("move text encoders to gpu")  # flux_train_network.py cache_text_encoder_outputs_if_needed
         log("caching Text Encoder outputs with caching strategy.")  # train_util.new_cache_text_encoder_outputs
         for image, _ in self.items:
-            self.cached[image] = self.encode([_caption(image)])
+            self.cached[image] = self.encode([tiny_flux.caption(image)])
             if self.args.get("cache_text_encoder_outputs_to_disk"):  # get_outputs_npz_path
                 np.savez(image.with_name(f"{image.stem}_flux_te.npz"),
                          t5=self.cached[image]["encoder_hidden_states"].float().cpu().numpy())
@@ -161,12 +162,7 @@ class Trainer:
 
     # -- encoding ------------------------------------------------------------------------------------
     def encode(self, captions: list[str]) -> dict:
-        with torch.no_grad():
-            clip_ids = _hashed_ids(captions, 77, self.clip.config.vocab_size, self.device)
-            t5_ids = _hashed_ids(captions, self.t5_length, self.t5.config.vocab_size, self.device)
-            pooled = self.clip(input_ids=clip_ids).pooler_output
-            text = self.t5(input_ids=t5_ids).last_hidden_state
-        return {"pooled_projections": pooled.to(self.dtype), "encoder_hidden_states": text.to(self.dtype)}
+        return tiny_flux.encode(self.clip, self.t5, self.t5_length, captions, self.device, self.dtype)
 
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -195,8 +191,10 @@ class Trainer:
 
     def train_step(self, batch: list[tuple[Path, int]], accumulation: int) -> float:
         latents = torch.cat([self.latents[image] if image in self.latents
-                             else self.encode_images(_pixels(image, side).unsqueeze(0)) for image, side in batch])
-        cond = [self.cached[image] if image in self.cached else self.encode([_caption(image)]) for image, _ in batch]
+                             else self.encode_images(tiny_flux.pixels(image, side).unsqueeze(0))
+                             for image, side in batch])
+        cond = [self.cached[image] if image in self.cached else self.encode([tiny_flux.caption(image)])
+                for image, _ in batch]
         cond = {key: torch.cat([c[key] for c in cond]) for key in cond[0]}
         noise = torch.randn_like(latents)
         t = torch.rand(latents.shape[0], device=self.device, dtype=self.dtype)
@@ -207,22 +205,7 @@ class Trainer:
         return float(loss.detach())
 
     def predict(self, latents: torch.Tensor, t: torch.Tensor, cond: dict, guidance: float = 1.0) -> torch.Tensor:
-        """One transformer call on latents packed 2x2 into tokens (flux_utils.pack_latents)."""
-        batch, channels, height, width = latents.shape
-        tokens = latents.view(batch, channels, height // 2, 2, width // 2, 2).permute(0, 2, 4, 1, 3, 5)
-        tokens = tokens.reshape(batch, (height // 2) * (width // 2), channels * 4)
-        ids = torch.zeros(height // 2, width // 2, 3, device=self.device, dtype=self.dtype)
-        ids[..., 1] += torch.arange(height // 2, device=self.device, dtype=self.dtype)[:, None]
-        ids[..., 2] += torch.arange(width // 2, device=self.device, dtype=self.dtype)[None, :]
-        text = cond["encoder_hidden_states"]
-        embedded = torch.full((batch,), guidance, device=self.device, dtype=self.dtype) \
-            if self.flux.config.guidance_embeds else None
-        out = self.flux(hidden_states=tokens, timestep=t, guidance=embedded,
-                        pooled_projections=cond["pooled_projections"], encoder_hidden_states=text,
-                        txt_ids=torch.zeros(text.shape[1], 3, device=self.device, dtype=self.dtype),
-                        img_ids=ids.reshape(-1, 3)).sample
-        out = out.view(batch, height // 2, width // 2, channels, 2, 2).permute(0, 3, 1, 4, 2, 5)
-        return out.reshape(batch, channels, height, width)
+        return tiny_flux.predict(self.flux, latents, t, cond, guidance)
 
     # -- previews and the save -----------------------------------------------------------------------
     def sample(self, step: int) -> None:
@@ -241,15 +224,9 @@ class Trainer:
         log(f"generating sample images at step / サンプル画像生成 ステップ: {step}")
         prompt, width, height, steps = _prompt(self.args["sample_prompts"])
         cond = self.cached.get("sample") or self.encode([prompt])
-        with torch.no_grad():
-            factor = 2 ** (len(self.ae.config.block_out_channels) - 1)
-            latents = torch.randn(1, self.ae.config.latent_channels, height // factor, width // factor,
-                                  device=self.device, dtype=self.dtype)
-            for level in tqdm(range(steps, 0, -1), file=sys.stderr):  # flux_train_utils.denoise: a bar of its own
-                t = torch.full((1,), level / steps, device=self.device, dtype=self.dtype)
-                latents = latents - self.predict(latents, t, cond, 3.5) / steps
-            image = self.ae.decode(latents / self.ae.config.scaling_factor + (self.ae.config.shift_factor or 0)).sample
-        pixels = ((image[0].float().clamp(-1, 1) + 1) * 127.5).permute(1, 2, 0).to(torch.uint8).cpu().numpy()
+        pixels = tiny_flux.preview(self.flux, self.ae, cond, width, height, steps, 3.5, self.device, self.dtype,
+                                   self.ae.config.shift_factor or 0, self.ae.config.scaling_factor,
+                                   bar=lambda levels: tqdm(levels, file=sys.stderr))  # flux_train_utils.denoise's bar
         (self.output / "sample").mkdir(parents=True, exist_ok=True)
         Image.fromarray(pixels).save(self.output / "sample" / f"{self.args.get('output_name', 'last')}_{step:06d}.png")
 
@@ -264,11 +241,6 @@ class Trainer:
 
 
 # -- the files ------------------------------------------------------------------------------------
-def _caption(image: Path) -> str:
-    caption = image.with_suffix(".txt")
-    return caption.read_text().strip() if caption.exists() else ""
-
-
 def _prompt(path: str) -> tuple[str, int, int, int]:
     """The prompt file's first prompt and its --w --h --s (train_util.line_to_prompt_dict; flux's
     defaults 512x512 and 20 steps), the size rounded down to 16 as sample_image_inference does."""
@@ -277,29 +249,6 @@ def _prompt(path: str) -> tuple[str, int, int, int]:
     options = dict(part.strip().partition(" ")[::2] for part in parts)
     return (prompt.strip(), int(options.get("w", 512)) // 16 * 16, int(options.get("h", 512)) // 16 * 16,
             int(options.get("s", 20)))
-
-
-def _pixels(image: Path, side: int) -> torch.Tensor:
-    """The image center-cropped to a square of `side` (a multiple of 16), in [-1, 1]."""
-    from PIL import Image
-
-    side = side // 16 * 16
-    with Image.open(image) as opened:
-        picture = opened.convert("RGB")
-        shorter = min(picture.size)
-        left, top = (picture.width - shorter) // 2, (picture.height - shorter) // 2
-        picture = picture.crop((left, top, left + shorter, top + shorter)).resize((side, side))
-        data = torch.frombuffer(bytearray(picture.tobytes()), dtype=torch.uint8)
-    return data.view(side, side, 3).permute(2, 0, 1).float() / 127.5 - 1
-
-
-def _hashed_ids(captions: list[str], length: int, vocab: int, device) -> torch.Tensor:
-    rows = []
-    for caption in captions:
-        words = caption.split()[:length - 1]
-        ids = [zlib.crc32(word.encode()) % (vocab - 2) + 1 for word in words] + [vocab - 1]
-        rows.append(ids + [0] * (length - len(ids)))
-    return torch.tensor(rows, device=device)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ ops run on the fake weights themselves (`_weights.quantize`), so their byte size
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from fitfinder.models._meta import parameter, plain_meta
@@ -45,8 +47,6 @@ def read_whole(meter, spec: dict, part: str) -> None:
     the part. Only for weights on disk; a random part is made in place."""
     if spec.get("path") is None:
         return
-    from pathlib import Path
-
     files = list((Path(spec["path"]) / part).glob("*.safetensors"))
     largest = max((file.stat().st_size for file in files), default=0)
     if largest:

@@ -64,6 +64,12 @@ def probe_phase_follower() -> Callable[[str], LogMark]:
     """The phase rules every trainer's log shares (oom.log_follower: AI Toolkit's, kohya's and
     musubi-tuner's lines), named as a probe names its phases: a preview once training has
     started is the last sample; before any line marks a phase, None."""
+    return _follower(lambda position: position.training_started)
+
+
+def _follower(is_last: Callable[[Any], bool]) -> Callable[[str], LogMark]:
+    """oom.log_follower's positions as probe phases; a preview is the last sample where `is_last`
+    says so of the log's position (a trainer's own rule for which preview it is)."""
     follow = oom.log_follower()
 
     def mark(line: str) -> LogMark:
@@ -71,7 +77,7 @@ def probe_phase_follower() -> Callable[[str], LogMark]:
         phase: Optional[str] = position.phase
         if phase == "unknown":
             phase = None
-        elif phase == "sample" and position.training_started:
+        elif phase == "sample" and is_last(position):
             phase = "last_sample"
         return LogMark(phase, position.steps_done)
 
@@ -341,18 +347,7 @@ def kohya_phase_follower() -> Callable[[str], LogMark]:
     from AI Toolkit's: both trainers print "running training" before the sample_at_first preview
     (NetworkTrainer.train: the print, then sample_images at step 0, then the loop), so a preview is
     the first one until a step is done, the last one after."""
-    follow = oom.log_follower()
-
-    def mark(line: str) -> LogMark:
-        position = follow(line)
-        phase: Optional[str] = position.phase
-        if phase == "unknown":
-            phase = None
-        elif phase == "sample" and (position.steps_done or 0) > 0:
-            phase = "last_sample"
-        return LogMark(phase, position.steps_done)
-
-    return mark
+    return _follower(lambda position: (position.steps_done or 0) > 0)
 
 
 # The entry scripts' file names: the top level of kohya-ss/sd-scripts at 48d368fa and

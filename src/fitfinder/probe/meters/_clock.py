@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from fitfinder.probe.meters import _host
+
 
 class PhaseClock:
     """Shared bookkeeping: phase name -> peak allocated, peak reserved, seconds."""
@@ -42,8 +44,6 @@ class PhaseClock:
         """The phase's host peaks: the counted host tensors (at their peak: pinned among them, by
         owner) plus what the process holds outside them (`peak_host`), and where Linux measures it,
         the process's resident peak (`host_rss`)."""
-        from fitfinder.probe.meters import _host
-
         side = tracker.host
         return {"peak_host": self.host_outside_bytes + side.peak_bytes, "host_tensors": side.peak_bytes,
                 "host_pinned": side.peak_pinned, "host_owners": side.peak_owners,
