@@ -80,10 +80,8 @@ def _images(folder: Path) -> Path:
     return folder
 
 
-def _probe_folders() -> set[str]:
-    import tempfile
-
-    return {p.name for p in Path(tempfile.gettempdir()).glob("fitfinder-trainer-*")}
+def _probe_folders(folder: Path) -> set[str]:
+    return {p.name for p in folder.glob("fitfinder-trainer-*")}
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
@@ -105,15 +103,18 @@ def searched(project) -> dict:
     """`fitfinder search job.yaml --vram 10.5MiB --trainer-command "python aitk_like.py {job}"`, its
     temporary files in a folder of its own, data-loader workers holding 64 MiB each."""
     before = {name: _snapshot(project[name]) for name in ("model", "images")}
-    folders_before = _probe_folders()
+    # Its own temporary folder: another test file's probes, in parallel, make theirs in the shared one.
+    scratch = project["root"] / "tmp"
+    scratch.mkdir()
+    folders_before = _probe_folders(scratch)
     done = run_cli("search", "job.yaml", "--vram", BUDGET, "--margin", "0.02", "--timeout", "300", "--json",
                    "--trainer-command", f"{sys.executable} {STAND_IN} {{job}}", cwd=project["work"],
-                   AITK_LIKE_WORKER_SCRATCH_BYTES=str(64 * MiB))
+                   AITK_LIKE_WORKER_SCRATCH_BYTES=str(64 * MiB), TMPDIR=str(scratch))
     assert done.returncode == 0, done.stderr[-3000:]
     study = optuna.load_study(study_name="trainer_probe",
                               storage=f"sqlite:///{project['work'] / 'studies' / 'trainer_probe.db'}")
     return {**project, "summary": json.loads(done.stdout), "stderr": done.stderr, "before": before,
-            "left_behind": _probe_folders() - folders_before,
+            "left_behind": _probe_folders(scratch) - folders_before,
             "trials": [t for t in study.get_trials() if t.user_attrs.get("status") != "decided"]}
 
 

@@ -250,7 +250,7 @@ def probe(
     from fitfinder.probe import trainer, trainer_command as trainer_check
     from fitfinder.results.output import Output, usage_bar
     from fitfinder.units import format_bytes
-    from fitfinder.verdict import NO_FIT, Verdict, Wall
+    from fitfinder.verdict import NO_FIT, Verdict, Wall, of_host
 
     out = Output(json_output)
     job = _load(job_file, vram=vram, ram=ram, margin=margin, probe_steps=steps, timeout=timeout,
@@ -272,7 +272,8 @@ def probe(
                           ran_out=True)
     elif result["status"] != "ok":
         verdict = Verdict(None, None, budget, job.settings.margin)
-    host = _host_verdict(result.get("host_phases") or {}, job.settings.ram_bytes, result, budget, job.settings.margin)
+    host = of_host(result.get("host_phases") or {}, job.settings.ram_bytes, result.get("peak_bytes"), budget,
+                   job.settings.margin, ran_out_in=result.get("phase") if result.get("oom_kind") == "host" else False)
     verdict = host or verdict
     if "trainer_run" not in result and not host:  # a trainer's own storages carry no owner: only fitfinder's recipe
         verdict.wall = Wall.of_probe(result.get("phase_stats") or {}, result.get("phase"), verdict.limit_bytes)
@@ -304,27 +305,6 @@ def probe(
             out.line(line)
     if result["status"] in ("error", "timeout") or verdict.exit_code:
         raise typer.Exit(1)
-
-
-def _host_verdict(host_phases: dict, ram_bytes: Optional[int], result: dict, budget: Optional[int], margin: float):
-    """Does not fit for host memory: the probe ran out of it (MemoryError, the OOM killer: oom_kind
-    host), or a phase's host peak passed the RAM budget (judged afterwards, as the estimate and
-    the cuda meter leave it); None when the host is not the wall."""
-    from fitfinder.units import format_bytes
-    from fitfinder.verdict import NO_FIT, Verdict
-
-    if result.get("oom_kind") == "host":
-        phase = result.get("phase")
-        summary = f"it ran out of host memory in {phase or 'the probe'}" + (
-            f" (RAM {format_bytes(ram_bytes)})" if ram_bytes else "")
-    else:
-        phase = next((name for name, peak in host_phases.items() if ram_bytes and peak > ram_bytes), None)
-        if phase is None:
-            return None
-        summary = (f"host memory: {phase} holds {format_bytes(host_phases[phase])} of host memory, "
-                   f"{format_bytes(host_phases[phase] - ram_bytes)} past the RAM budget of {format_bytes(ram_bytes)}")
-    return Verdict(NO_FIT, result.get("peak_bytes"), budget, margin, phase=phase,
-                   summary=summary if summary.startswith("host memory") else f"host memory: {summary}")
 
 
 def _print_trainer_probe(out, result, meter: str) -> None:
@@ -377,6 +357,7 @@ def estimate(
     """
     from fitfinder.probe import estimate as estimating, overhead
     from fitfinder.results.output import Output
+    from fitfinder.verdict import of_host
 
     out = Output(json_output)
     job = _load(job_file, vram=vram, ram=ram, margin=margin, trials=trials, timeout=timeout, script=script, arch=arch)
@@ -392,8 +373,7 @@ def estimate(
     found = estimating.run(job, runner, model)
     verdict = estimating.explain(job, found, model)
     host_phases = found.host_phases
-    host = _host_verdict(host_phases, job.settings.ram_bytes, {"peak_bytes": found.peak_bytes}, found.budget_bytes,
-                         job.settings.margin)
+    host = of_host(host_phases, job.settings.ram_bytes, found.peak_bytes, found.budget_bytes, job.settings.margin)
     verdict = host or verdict
     out.result({**found.as_json(), **verdict.as_json(), "ram_bytes": job.settings.ram_bytes,
                 "host_peak_bytes": max(host_phases.values(), default=None), "reason": "host memory" if host else None})

@@ -267,3 +267,20 @@ class Verdict:
         found.update({cls.KEY: None for cls in (Wall, WouldTake)})
         found.update({section.KEY: section.as_json() for section in self.sections()})
         return found
+
+
+def of_host(host_phases: dict[str, int], ram_bytes: int | None, peak_bytes: int | None, budget_bytes: int | None,
+            margin: float, ran_out_in: str | None | bool = False) -> Verdict | None:
+    """Does not fit for host memory: the run ran out of it (`ran_out_in`: its phase, None where
+    unknown; MemoryError, the OOM killer), or a phase's host peak passed the RAM budget (judged
+    afterwards, as the estimate and the cuda meter leave it); None when the host is not the wall."""
+    if ran_out_in is not False:
+        ram = f" (RAM {format_bytes(ram_bytes)})" if ram_bytes else ""
+        phase, summary = ran_out_in, f"host memory: it ran out of host memory in {ran_out_in or 'the probe'}{ram}"
+    else:
+        phase = next((name for name, peak in host_phases.items() if ram_bytes and peak > ram_bytes), None)
+        if phase is None:
+            return None
+        summary = (f"host memory: {phase} holds {format_bytes(host_phases[phase])} of host memory, "
+                   f"{format_bytes(host_phases[phase] - ram_bytes)} past the RAM budget of {format_bytes(ram_bytes)}")
+    return Verdict(NO_FIT, peak_bytes, budget_bytes, margin, phase=phase, summary=summary)

@@ -74,7 +74,7 @@ def pixels(image: Path, side: int) -> torch.Tensor:
 
 
 def preview(transformer, vae, cond: dict, width: int, height: int, steps: int, guidance: float, device, dtype,
-            shift: float, scale: float, bar=range):
+            shift: float, scale: float, bar=iter):
     """A preview as uint8 pixels (height, width, 3): Euler steps of the flow from noise, then the VAE's
     decode (`bar` wraps the steps, for a trainer that draws a progress bar over them)."""
     with torch.no_grad():
