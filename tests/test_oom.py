@@ -3,6 +3,7 @@
 import time
 
 import pytest
+import torch
 
 from fitfinder import oom
 
@@ -390,3 +391,52 @@ def test_a_cut_traceback_reads_the_call_on_its_last_source_line():
                      "│ ❱ 168 │   text_encoder, vae, unet, _ = train_util.load_target_model(args, we │"])
     failure = oom.scan_log(log).failure
     assert (failure.cut, failure.phase, failure.frame) == (True, "load", "load_target_model")
+
+
+def _load_model_rewrapping(error: BaseException):
+    """As diffusers' load_state_dict does: any failure reading a checkpoint becomes an OSError."""
+    try:
+        raise error
+    except Exception:
+        try:
+            raise UnicodeDecodeError("utf-8", b"\xc0", 0, 1, "invalid start byte")
+        except (UnicodeDecodeError, ValueError):
+            raise OSError("Unable to load weights from checkpoint file for 'x.safetensors'") from None
+
+
+def load_model(error: BaseException):  # a frame that names the load phase
+    _load_model_rewrapping(error)
+
+
+@pytest.mark.parametrize("error, kind", [
+    (MemoryError("host out of memory (simulated): tried to allocate 288 KiB"), "host"),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB."), "config"),
+])
+def test_an_oom_a_library_rewrapped_is_still_the_oom_with_its_phase(error, kind):
+    try:
+        load_model(error)
+    except OSError as exc:
+        verdict = oom.classify(exc)
+    assert (verdict.is_oom, verdict.kind, verdict.phase) == (True, kind, "load")
+    assert oom.classify(OSError("Unable to load weights from checkpoint file")).kind == "not_oom"
+
+
+def test_an_oom_the_loader_swallowed_is_read_from_the_meter(tmp_path):
+    # safetensors' loader answers a MemoryError in an allocation with a ValueError of its own, and
+    # diffusers rewraps that as an OSError: nothing in the error says memory, the sim meter does.
+    import safetensors.torch
+    from diffusers.models.model_loading_utils import load_state_dict
+
+    from fitfinder.probe.meters import _host
+    from fitfinder.probe.meters.sim import SimMeter
+    from fitfinder.probe.recipe import _verdict_on
+
+    path = tmp_path / "weights.safetensors"
+    safetensors.torch.save_file({f"w{i}": torch.zeros(256, 1024) for i in range(4)}, str(path))  # 4 MiB
+    meter = SimMeter(None, ram_bytes=(_host.resident_bytes() or 0) + 2**20)
+    with meter, meter.phase("load"), meter.host(), pytest.raises(Exception) as raised:
+        load_state_dict(str(path))
+    verdict, line = _verdict_on(raised.value, meter)
+    assert not oom.classify(raised.value).is_oom  # the error itself names no memory
+    assert (verdict.is_oom, verdict.kind) == (True, "host")
+    assert line.startswith("MemoryError: host out of memory (simulated)") and "raised as" in line, line

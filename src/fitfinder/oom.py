@@ -283,8 +283,11 @@ def classify(error: BaseException | str, conservative: bool = False,
     a cuBLAS handle that could not be created (LOAD_MARKERS) was memory.
     """
     if isinstance(error, BaseException):
+        outer, error = error, _memory_error_beneath(error)
         text = f"{type(error).__name__}: {error}"
-        stack = traceback.extract_tb(error.__traceback__)
+        stack = traceback.extract_tb(outer.__traceback__)
+        if error is not outer:  # the frames from the top down to the handler, then the handled error's own
+            stack = stack + traceback.extract_tb(error.__traceback__)
         frames, files = [frame.name for frame in stack], [frame.filename for frame in stack]
         is_oom_type = type(error).__name__ == "OutOfMemoryError"
         host = "MemoryError" if isinstance(error, MemoryError) else None  # the host's RAM, not the card's
@@ -304,6 +307,23 @@ def classify(error: BaseException | str, conservative: bool = False,
                       phase=phase_of_frames(frames, files), **numbers)
     reason = _environment_reason(verdict, text, conservative, occupied_at_start)
     return verdict if reason is None else replace(verdict, kind="environment", reason=reason)
+
+
+def _memory_error_beneath(error: BaseException, depth: int = 8) -> BaseException:
+    """The out-of-memory error an error was raised in handling of, else the error itself.
+
+    Libraries rewrap what goes wrong beneath them: diffusers' `load_state_dict` answers any failure
+    to read a checkpoint, a `MemoryError` or a CUDA `OutOfMemoryError` included, with
+    `OSError: Unable to load weights from checkpoint file`. The memory error is what happened.
+    """
+    link = error
+    for _ in range(depth):
+        if isinstance(link, MemoryError) or type(link).__name__ == "OutOfMemoryError":
+            return link
+        link = link.__cause__ or link.__context__
+        if link is None:
+            break
+    return error
 
 
 def phase_of_frames(function_names: list[str], files: list[str] | None = None, loop: bool = True) -> str | None:

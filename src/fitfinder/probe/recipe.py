@@ -75,10 +75,9 @@ def run(request: ProbeRequest, watch=None) -> ProbeResult:
             _recipe(request, meter, result)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a result line
         failure = exc
-        verdict = oom.classify(exc)
+        verdict, line = _verdict_on(exc, meter)
         result.update(status="oom" if verdict.is_oom else "error", phase=meter.current_phase,
-                      oom_kind=verdict.kind if verdict.is_oom else None,
-                      error=f"{type(exc).__name__}: {exc}".strip()[:2000])
+                      oom_kind=verdict.kind if verdict.is_oom else None, error=line.strip()[:2000])
         if not verdict.is_oom:
             result["traceback"] = traceback.format_exc(limit=40)[-4000:]
     del failure  # the traceback pins tensors; drop it before reading the peaks
@@ -94,6 +93,19 @@ def run(request: ProbeRequest, watch=None) -> ProbeResult:
     result["meter"] = meter.describe()
     result.update(_host_usage())
     return result
+
+
+def _verdict_on(error: Exception, meter) -> tuple[oom.Verdict, str]:
+    """The verdict on a probe's failure, and its line. An out-of-memory error the meter saw counts
+    even where a library swallowed it and raised another: safetensors' loader answers a MemoryError
+    in an allocation with `ValueError: could not determine the shape of object type
+    'torch.storage.UntypedStorage'`, which diffusers' `load_state_dict` rewraps as an OSError."""
+    verdict, line = oom.classify(error), f"{type(error).__name__}: {error}"
+    ran_out = meter.ran_out()
+    if verdict.is_oom or ran_out is None:
+        return verdict, line
+    seen = ran_out if isinstance(ran_out, str) else f"{type(ran_out).__name__}: {ran_out}"
+    return oom.classify(ran_out), f"{seen} (raised as {line})"
 
 
 def _host_usage() -> dict[str, Any]:

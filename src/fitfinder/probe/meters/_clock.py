@@ -54,6 +54,11 @@ class PhaseClock:
     def peak_bytes(self) -> int:
         return max((p["peak_reserved"] for p in self.phases.values()), default=0)
 
+    def ran_out(self) -> BaseException | str | None:
+        """The out-of-memory error this meter saw in the probe, raised or counted, or None (the
+        estimate meter never raises)."""
+        return None
+
     def step_clock(self) -> float:
         """Seconds for timing one training step (the meters on the CPU count their own thread's time)."""
         return time.perf_counter()

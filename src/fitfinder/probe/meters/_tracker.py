@@ -105,6 +105,9 @@ class StorageTracker(TorchDispatchMode):
         # Both sides' tensors at their joint peak: for the sim meter, whose device is this CPU, what
         # the process's resident memory should show above its start (benchmarks/host_peaks.py).
         self.peak_both_bytes = 0
+        # The first out-of-memory error raised, on either side: a library may catch it and raise
+        # another in its place (safetensors' loader does), and the probe must still read an OOM.
+        self.ran_out: BaseException | None = None
 
     @contextmanager
     def owning(self, owner: str) -> Iterator[None]:
@@ -173,11 +176,10 @@ class StorageTracker(TorchDispatchMode):
         if self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
             needed = size - (old or 0)
             self.drop(tensor)  # the allocation "failed": it must not stay counted
-            raise torch.OutOfMemoryError(
+            raise self._ran_out(torch.OutOfMemoryError(
                 f"CUDA out of memory (simulated). Tried to allocate {format_bytes(needed)}. "
                 f"Simulated GPU budget {format_bytes(self.budget_bytes)}, of which "
-                f"{format_bytes(self.live_bytes)} is in use by live tensors."
-            )
+                f"{format_bytes(self.live_bytes)} is in use by live tensors."))
 
     def add_host(self, tensor: torch.Tensor, pinned: bool = False) -> None:
         """Count a tensor's storage in host memory (made there, or moved there off the device); past
@@ -196,10 +198,15 @@ class StorageTracker(TorchDispatchMode):
             budget = self.host_budget_bytes
             if budget is not None and self.host.bytes > budget:
                 self.host.forget(key, self.owner_of[key])
-                raise MemoryError(
+                raise self._ran_out(MemoryError(
                     f"host out of memory (simulated): tried to allocate {format_bytes(size)} in host memory; "
                     f"{format_bytes(self.host.bytes)} of host tensors live, {format_bytes(budget)} left "
-                    f"for them in the simulated RAM")
+                    f"for them in the simulated RAM"))
+
+    def _ran_out(self, error: BaseException) -> BaseException:
+        if self.ran_out is None:  # a copy, never raised: a raised error's traceback would pin the tensors of its frames
+            self.ran_out = type(error)(*error.args)
+        return error
 
     def to_host(self, tensor: torch.Tensor, pinned: bool = False) -> None:
         """A tensor moved off the device into host memory (pinned: page-locked, as offloaded layers are)."""

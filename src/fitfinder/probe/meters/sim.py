@@ -51,6 +51,9 @@ class SimMeter(PhaseClock):
     def __exit__(self, *exc: Any) -> None:
         self.tracker.__exit__(*exc)
 
+    def ran_out(self) -> BaseException | None:
+        return self.tracker.ran_out
+
     def step_clock(self) -> float:
         # The probe computes on this one thread: its CPU time is what a step costs, and other
         # work on a shared machine does not inflate it as it does wall time (by 3x beside two
