@@ -11,7 +11,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from fitfinder import jobconfig, space as spaces
+from fitfinder import jobconfig
+from fitfinder.trainers import aitoolkit
 from fitfinder.results import kohya
 from fitfinder.errors import UserError
 from tests.conftest import run_cli
@@ -22,7 +23,7 @@ NAME = "demo_flux_lora"
 def _knob_values(settings: dict) -> dict:
     """The search's knobs from AI Toolkit settings read back from kohya's files."""
     resolutions = sorted({r for key, value in settings.items() if key.endswith(".resolution") for r in value})
-    return {"buckets": spaces.bucket_label(resolutions), "rank": settings["network.linear"],
+    return {"buckets": aitoolkit.bucket_label(resolutions), "rank": settings["network.linear"],
             "batch": settings["train.batch_size"], "gradient_checkpointing": settings["train.gradient_checkpointing"]}
 
 
@@ -35,7 +36,7 @@ def _same(job: jobconfig.JobFile, setting: str, value) -> bool:
     if setting == "train.optimizer":
         return value == str(job.get("train.optimizer")).lower()
     if setting.endswith(".resolution"):
-        return value == spaces.resolutions(job)
+        return value == aitoolkit.resolutions(job)
     if setting.startswith("datasets[*]."):
         return value == any(job.get(setting))
     if setting == "train.disable_sampling":

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from fitfinder import models, probe
-from fitfinder.probe.request import _preview_size, layer_offloading
+from fitfinder.trainers.aitoolkit import _preview_size, layer_offloading
 from tests.conftest import sweep, tiny_job
 
 MiB = 2**20
@@ -420,7 +420,7 @@ def test_a_recovery_adapters_rank_and_layers_are_read_from_its_file_or_assumed(t
     import torch
     from safetensors.torch import save_file
 
-    from fitfinder.probe.request import RECOVERY_RANK_ASSUMED, recovery_adapter
+    from fitfinder.trainers.aitoolkit import RECOVERY_RANK_ASSUMED, recovery_adapter
 
     adapter = tmp_path / "ara.safetensors"
     save_file({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 8),
@@ -517,7 +517,7 @@ def test_torchao_8_bit_layers_keep_their_weight_in_the_models_dtype_for_the_back
 def test_qfloat8_is_torchaos_float8_under_layer_offloading_and_with_z_images_training_adapter():
     """toolkit/config_modules.py ModelConfig (layer_offloading, any family, both qtypes, a qtype of
     exactly 'qfloat8'); z_image.py load_model (assistant_lora_path, model.qtype only)."""
-    from fitfinder.probe.request import quant_types
+    from fitfinder.trainers.aitoolkit import quant_types
 
     flux, zimage = models.FAMILIES["flux"], models.FAMILIES["zimage"]
     assert quant_types(tiny_job("flux"), flux) == ("qfloat8", "qfloat8")

@@ -685,7 +685,7 @@ def test_the_checks_refuse_nothing_a_real_job_holds():
 def test_the_batch_divisors_take_square_root_steps():
     """`batch_size: 10000000000` hung the divisor loop; the job check refuses it now, and the loop
     itself gives the same divisors as counting up, in sqrt(n) steps."""
-    from fitfinder.space import divisors_of
+    from fitfinder.trainers.aitoolkit import divisors_of
 
     assert all(divisors_of(n) == [d for d in range(1, n + 1) if n % d == 0] for n in range(1, 2000))
     started = time.monotonic()

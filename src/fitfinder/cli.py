@@ -433,7 +433,7 @@ def _say_tight(out, space, tight, budget_bytes: int, limit_bytes: int, probed: b
 def _note_assumptions(out, job) -> None:
     """What the estimate assumes where the job's files are not on this machine."""
     from fitfinder import models
-    from fitfinder.probe.request import recovery_adapter
+    from fitfinder.trainers.aitoolkit import recovery_adapter
 
     adapter = recovery_adapter(job, models.family_for(job))
     if adapter is not None and not adapter["read"]:
@@ -806,7 +806,9 @@ def _default_ram(job) -> None:
 
 def _notes(out, job) -> None:
     """What a trainer's job says about itself: which architecture and from where, what is not modelled."""
-    if hasattr(job, "architecture_spec"):
+    from fitfinder import trainers
+
+    if isinstance(job, trainers.KohyaJob):  # its checkpoint's header read, or --arch's shipped one: notes
         job.architecture_spec()
     for note in getattr(job, "notes", []):
         out.note(note)

@@ -133,28 +133,9 @@ class Settings:
 
 
 def settings_of_job(job, source: str = "job") -> Settings:
-    """Every setting the rollback looks at, with AI Toolkit's defaults for what the file leaves out
-    (a kohya job reads its own: fitfinder.trainers, KohyaJob.diagnose_settings)."""
-    if hasattr(job, "diagnose_settings"):
-        return Settings(source, **job.diagnose_settings())
-    return Settings(
-        source, batch=int(job.get("train.batch_size")), accumulation=job.accumulation,
-        checkpointing=bool(job.get("train.gradient_checkpointing")), buckets=job.buckets,
-        frames=max((int(f) for f in job.get("datasets[*].num_frames")), default=1),
-        quantize=job.quantize, quantize_text=job.quantize_te,
-        low_vram=bool(job.get("model.low_vram")),
-        cache_text=job.text_encoder_mode != "keep",
-        sampling_off=bool(job.get("train.disable_sampling")),
-        sample_size=(int(job.get("sample.width")), int(job.get("sample.height"))),
-        sample_frames=int(job.get("sample.num_frames")),
-        cache_to_disk=all(bool(v) for v in job.get("datasets[*].cache_latents_to_disk")),
-        workers=max((int(w) for w in job.get("datasets[*].num_workers", AITK_NUM_WORKERS)), default=None),
-    )
-
-
-# AI Toolkit's DatasetConfig default for `num_workers` (toolkit/config_modules.py), which the job
-# defaults this project keeps do not carry.
-AITK_NUM_WORKERS = 2
+    """Every setting the rollback looks at, as the job's trainer reads its file (trainers.diagnose_settings:
+    AI Toolkit's defaults for what its file leaves out, a kohya job its own)."""
+    return Settings(source, **trainers.diagnose_settings(job))
 
 
 # (pattern, setting, where it comes from). The last match wins, except buckets and frames: the largest.
@@ -299,7 +280,7 @@ def _apply_cache_to_disk(job) -> list[Change]:
 
 def _apply_fewer_workers(job) -> list[Change]:
     return [(f"datasets[{i}].num_workers", int(w), 0)
-            for i, w in enumerate(job.get("datasets[*].num_workers", AITK_NUM_WORKERS)) if int(w) > 0]
+            for i, w in enumerate(job.get("datasets[*].num_workers", trainers.aitoolkit.NUM_WORKERS)) if int(w) > 0]
 
 
 def _no_job_key(job) -> list[Change]:
@@ -578,7 +559,7 @@ def _choose_first_change(diagnosis: Diagnosis, row: Row, settings: Settings, job
     first = open_levers[0]
     diagnosis.lever = first.name
     # A kohya job makes the change in its own options (fitfinder.trainers: KohyaJob.lever_changes).
-    changes = [] if job is None else job.lever_changes(first.name) if hasattr(job, "lever_changes") \
+    changes = [] if job is None else job.lever_changes(first.name) if isinstance(job, trainers.KohyaJob) \
         else first.apply(job)
     if changes:  # a job file, or the config AI Toolkit echoed into the log
         diagnosis.changes = changes

@@ -22,7 +22,7 @@ toolkit/config_modules.py ModelConfig), after the part is loaded and quantized:
   saves the layer's input on the device whatever needs a gradient (a plain frozen linear would not).
 - `MemoryManager.free` (toolkit/unloader.py, cached text embeddings) drops the device's rings.
 - With layer_offloading, ModelConfig turns `qfloat8` into torchao's `float8` (config_modules.py,
-  probe.request.quant_types): an offloaded layer crosses in its 8-bit bytes and is dequantized on the
+  trainers.aitoolkit.quant_types): an offloaded layer crosses in its 8-bit bytes and is dequantized on the
   device, whichever library quantized it; a layer left on the device runs torchao's forward
   (models/_torchao.py).
 

@@ -211,7 +211,7 @@ def _recovered(pipe: Pipeline, part: str, qtype: str, adapter: dict) -> None:
     requires_grad_(False) anywhere: each backward gives them gradients, which no optimizer clears);
     then each covered layer quantized with the qtype, and every other layer with `uint8`, which AI
     Toolkit's UIntXQuantizer.can_quantize refuses: those stay in the model's dtype. Without the file
-    (request.recovery_adapter), the adapter covers the LoRA's own layers."""
+    (trainers.aitoolkit.recovery_adapter), the adapter covers the LoRA's own layers."""
     from peft import LoraConfig
 
     denoiser = pipe.parts[part]

@@ -2,16 +2,18 @@
 
 `load(path)` reads the job a user already has, in its trainer's own form:
 
-- an AI Toolkit job file (YAML), read by `jobconfig` (its rules move here in a later step);
+- an AI Toolkit job file (YAML or JSON), read by `jobconfig` (its rules: aitoolkit.py);
 - a shell file with kohya sd-scripts' or musubi-tuner's command line (`accelerate launch [options]
   flux_train_network.py --flag value ...`), whose `--config_file` and `--dataset_config` are read
   relative to the shell file's folder; the script names the trainer and the model;
 - a kohya `--config_file` TOML, whose keys name the script where they can (`t5xxl` with `ae`:
   flux_train_network.py), else `--script NAME` does; its `dataset_config` names the dataset TOML.
 
-A kohya job (`_kohya.KohyaJob`) answers what the layers above ask a job: its knobs in the trainer's
-own names (`knob_specs`), its probe request (`probe_request`), its architecture, and `write`, which
-writes it back in the same form with only fitfinder's changes differing.
+The layers above ask a job's trainer through `knob_specs`, `phases_run`, `effective_batch` and
+`probe_request` here, whichever trainer it is: AI Toolkit's rules are aitoolkit.py's; a kohya job
+(`_kohya.KohyaJob`) answers by its trainer's module (sd_scripts.py, musubi_tuner.py), and also
+gives its architecture and `write`, which writes it back in the same form with only fitfinder's
+changes differing.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from typing import Any
 from fitfinder import jobconfig
 from fitfinder.errors import UserError
 from fitfinder.jobconfig import brief
-from fitfinder.trainers import _kohya, _shell, _toml, musubi_tuner, sd_scripts
+from fitfinder.trainers import _kohya, _shell, _toml, aitoolkit, musubi_tuner, sd_scripts
+from fitfinder.trainers._knob import KnobSpec
 from fitfinder.trainers._kohya import KohyaJob
 
 KOHYA = (sd_scripts, musubi_tuner)
@@ -49,6 +52,33 @@ def load(path: str | Path, script: str | None = None, arch: str | None = None) -
         except UserError:
             continue
     raise UserError(f"{path}: not a job file fitfinder reads; it reads {FORMATS}")
+
+
+# -- what the layers above ask a job's trainer ----------------------------------------------------
+def knob_specs(job: Any) -> list[KnobSpec]:
+    """The job's knobs with more than one candidate, in its trainer's own names."""
+    return job.knob_specs() if isinstance(job, KohyaJob) else aitoolkit.knob_specs(job)
+
+
+def phases_run(job: Any, point: dict) -> list[str]:
+    """The phases a probe of `point` runs: its trainer's previews decide which."""
+    return job.phases_run(point) if isinstance(job, KohyaJob) else aitoolkit.phases_run(job, point)
+
+
+def effective_batch(job: Any) -> int:
+    """Samples per optimizer step, which the batch knob keeps (batch x accumulation)."""
+    return job.effective_batch if isinstance(job, KohyaJob) else aitoolkit.effective_batch(job)
+
+
+def diagnose_settings(job: Any) -> dict[str, Any]:
+    """What diagnose's rollback reads of the job (diagnose.Settings' fields), by its trainer's defaults."""
+    return job.diagnose_settings() if isinstance(job, KohyaJob) else aitoolkit.diagnose_settings(job)
+
+
+def probe_request(job: Any, **run: Any) -> dict:
+    """The probe request of the job by its trainer's rules (`run`: steps, meter, budget_bytes, gpu,
+    spec, fault, sample_steps: how the probe runs)."""
+    return job.probe_request(**run) if isinstance(job, KohyaJob) else aitoolkit.probe_request(job, **run)
 
 
 def _text(path: Path) -> str:
@@ -190,4 +220,5 @@ def write_job_files(job: Any, folder: str | Path, overrides: dict[str, Any] | No
     return written
 
 
-__all__ = ["FORMATS", "KohyaJob", "load", "script_of", "write_job_files"]
+__all__ = ["FORMATS", "KnobSpec", "KohyaJob", "diagnose_settings", "effective_batch", "knob_specs", "load",
+           "phases_run", "probe_request", "script_of", "write_job_files"]

@@ -25,6 +25,7 @@ from fitfinder import files, jobconfig, models
 from fitfinder.errors import ConfigError, UserError
 from fitfinder.jobconfig import Settings, brief, one_line, write_atomic
 from fitfinder.trainers import _safetensors, _shell, _toml
+from fitfinder.trainers._knob import ALL, DATA, KnobSpec
 
 BOOL, INT, FLOAT, STR, LIST = "bool", "int", "float", "str", "list"
 
@@ -36,23 +37,6 @@ class Option:
     kind: str  # bool (store_true), int, float, str, list (nargs="*")
     default: Any
     where: str  # the file and line of its add_argument
-
-
-@dataclass(frozen=True)
-class KnobSpec:
-    """A knob as a trainer declares it; space.Knob takes these fields (the layer above builds it)."""
-
-    name: str  # fitfinder's name for what it does (the planner's: buckets, rank, batch, ...)
-    role: str
-    candidates: tuple
-    desired: Any
-    paths: tuple[str, ...]  # the trainer's own option or dataset keys it writes
-    phases: frozenset
-    title: str  # the trainer's own name for it, in tables and trial lines
-    labeler: Callable[[Any], str]
-    writer: Callable  # (job, value, space) -> None
-    unordered: frozenset = frozenset()
-    host: str = ""  # how it weighs on the host (space.HOST_ORDERS; "" for space.HOST_ORDER's by its name)
 
 
 _MISSING = object()
@@ -363,10 +347,6 @@ def load_dataset(job: KohyaJob) -> None:
 
 
 # -- knobs shared by both trainers -----------------------------------------------------------
-ALL = frozenset({"load", "text_encoder", "latents", "sample", "train", "last_sample"})
-DATA = frozenset({"latents", "train"})
-
-
 def on_off(value: Any) -> str:
     return "on" if value else "off"
 

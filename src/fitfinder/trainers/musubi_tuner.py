@@ -19,7 +19,8 @@ from typing import Any, Callable
 from fitfinder.errors import UserError
 from fitfinder.trainers import _kohya
 from fitfinder.trainers import _musubi_options as parsers
-from fitfinder.trainers._kohya import INT, LIST, KnobSpec, KohyaJob, Option
+from fitfinder.trainers._knob import KnobSpec
+from fitfinder.trainers._kohya import INT, LIST, KohyaJob, Option
 
 REPO = "musubi-tuner"
 # training/trainer_base.py get_optimizer: an empty optimizer_type matches no optimizer (getattr(torch.optim, "")).

@@ -19,7 +19,8 @@ from typing import Any, Callable
 from fitfinder.errors import UserError
 from fitfinder.trainers import _kohya
 from fitfinder.trainers import _sd_scripts_options as parsers
-from fitfinder.trainers._kohya import KnobSpec, KohyaJob, Option
+from fitfinder.trainers._knob import KnobSpec
+from fitfinder.trainers._kohya import KohyaJob, Option
 
 REPO = "sd-scripts"
 # train_util.get_optimizer: an empty optimizer_type is AdamW.
