@@ -233,111 +233,59 @@ class Lever:
     text: str
     where: dict[str, str]  # trainer -> the setting to change there
     state: Callable[[Settings], bool | None]  # True: already taken; None: the log does not say
-    apply: Callable[[Any], list[Change]]  # the job-file keys it changes
-
-
-def _bool_lever(path: str, value: bool = True) -> Callable[[Any], list[Change]]:
-    return lambda job: [(path, bool(job.get(path)), value)]
-
-
-def _apply_batch(job) -> list[Change]:
-    batch, accumulation = int(job.get("train.batch_size")), job.accumulation
-    return [("train.batch_size", batch, 1), (job.accumulation_key, accumulation, accumulation * batch)]
-
-
-def _apply_bucket(job) -> list[Change]:
-    """Drop the largest bucket from every dataset that has it; a dataset left with none steps down."""
-    largest = max(settings_of_job(job).buckets)
-    changes = []
-    for i, value in enumerate(job.get("datasets[*].resolution")):
-        sizes = [int(r) for r in _as_list(value)]
-        if largest not in sizes:
-            continue
-        kept = [r for r in sizes if r != largest] or [_step_down(largest)]
-        changes.append((f"datasets[{i}].resolution", sizes if isinstance(value, list) else value,
-                        kept if isinstance(value, list) or len(kept) > 1 else kept[0]))
-    return changes
-
-
-def _apply_frames(job) -> list[Change]:
-    frames = [int(f) for f in job.get("datasets[*].num_frames")]
-    fewer = _fewer_frames(max(frames))
-    return [(f"datasets[{i}].num_frames", f, fewer) for i, f in enumerate(frames) if f > fewer]
-
-
-def _apply_smaller_sample(job) -> list[Change]:
-    frames = int(job.get("sample.num_frames"))
-    if frames > 1:
-        return [("sample.num_frames", frames, _fewer_frames(frames))]
-    return [(key, int(job.get(key)), max(256, int(job.get(key)) // 2 // 64 * 64))
-            for key in ("sample.width", "sample.height") if int(job.get(key)) > 512]
-
-
-def _apply_cache_to_disk(job) -> list[Change]:
-    return [(f"datasets[{i}].cache_latents_to_disk", bool(v), True)
-            for i, v in enumerate(job.get("datasets[*].cache_latents_to_disk")) if not v]
-
-
-def _apply_fewer_workers(job) -> list[Change]:
-    return [(f"datasets[{i}].num_workers", int(w), 0)
-            for i, w in enumerate(job.get("datasets[*].num_workers", trainers.aitoolkit.NUM_WORKERS)) if int(w) > 0]
-
-
-def _no_job_key(job) -> list[Change]:
-    return []
 
 
 LEVERS: dict[str, Lever] = {lever.name: lever for lever in (
     Lever("checkpointing", "turn gradient checkpointing on",
           {"ai-toolkit": "train.gradient_checkpointing: true", "kohya": "--gradient_checkpointing",
            "musubi": "--gradient_checkpointing", "diffusers": "--gradient_checkpointing"},
-          lambda s: s.checkpointing, _bool_lever("train.gradient_checkpointing")),
+          lambda s: s.checkpointing),
     Lever("batch", "batch size 1, with gradient accumulation keeping the effective batch",
           {"ai-toolkit": "train.batch_size: 1 and train.gradient_accumulation: {accumulation}",
            "kohya": "--train_batch_size 1 --gradient_accumulation_steps {accumulation}",
            "musubi": "batch_size = 1 in the dataset config, --gradient_accumulation_steps {accumulation}",
            "diffusers": "--train_batch_size=1 --gradient_accumulation_steps={accumulation}"},
-          lambda s: None if s.batch is None else s.batch == 1, _apply_batch),
+          lambda s: None if s.batch is None else s.batch == 1),
     Lever("bucket", "drop the largest bucket (keep 512/768 until it trains, then add buckets back one at a time)",
           {"ai-toolkit": "datasets[].resolution", "kohya": "--resolution / max_bucket_reso",
            "musubi": "resolution in the dataset config", "diffusers": "--resolution"},
-          lambda s: None if not s.buckets else max(s.buckets) <= 512, _apply_bucket),
+          lambda s: None if not s.buckets else max(s.buckets) <= 512),
     Lever("frames", "fewer frames per clip (the largest memory lever of a video job)",
           {"ai-toolkit": "datasets[].num_frames", "musubi": "target_frames in the dataset config"},
-          lambda s: None if s.frames is None else s.frames <= 9, _apply_frames),
+          lambda s: None if s.frames is None else s.frames <= 9),
     Lever("quantize", "quantize the base model to 8 bits",
           {"ai-toolkit": "model.quantize: true", "kohya": "--fp8_base", "musubi": "--fp8_base"},
-          lambda s: s.quantize, _bool_lever("model.quantize")),
+          lambda s: s.quantize),
     Lever("low_vram", "keep the parts not in use off the card (low VRAM / block swap)",
           {"ai-toolkit": "model.low_vram: true", "kohya": "--blocks_to_swap N", "musubi": "--blocks_to_swap N"},
-          lambda s: s.low_vram, _bool_lever("model.low_vram")),
+          lambda s: s.low_vram),
     Lever("cache_text", "cache the text embeddings and unload the text encoders",
           {"ai-toolkit": "train.cache_text_embeddings: true", "kohya": "--cache_text_encoder_outputs"},
-          lambda s: s.cache_text, _bool_lever("train.cache_text_embeddings")),
+          lambda s: s.cache_text),
     Lever("quantize_text", "quantize the text encoders",
           {"ai-toolkit": "model.quantize_te: true", "kohya": "an fp8 T5-XXL file for --t5xxl"},
-          lambda s: s.quantize_text, _bool_lever("model.quantize_te")),
+          lambda s: s.quantize_text),
     Lever("sampling_off", "turn preview sampling off for a first run; bring smaller previews back once it trains",
           {"ai-toolkit": "train.disable_sampling: true", "kohya": "drop --sample_prompts",
            "musubi": "drop --sample_prompts", "diffusers": "drop --validation_prompt"},
-          lambda s: s.sampling_off, _bool_lever("train.disable_sampling")),
+          lambda s: s.sampling_off),
     Lever("smaller_sample", "make the preview cheaper: half the sample width and height (video: fewer frames)",
           {"ai-toolkit": "sample.width / sample.height / sample.num_frames", "kohya": "--w / --h in the prompt file",
            "musubi": "--w / --h / --f in the prompt file"},
-          lambda s: _sample_small(s), _apply_smaller_sample),
+          lambda s: _sample_small(s)),
     # For host RAM only; none of them is a GPU setting (offloading weights to RAM would make it worse).
     Lever("cache_to_disk", "cache latents to disk instead of holding them in system RAM",
           {"ai-toolkit": "datasets[].cache_latents_to_disk: true", "kohya": "--cache_latents_to_disk",
            "musubi": "cache_latents.py writes its cache to disk: run it before training",
            "onetrainer": "latent caching to disk (the cache directory)", "diffusers": "precompute latents to disk"},
-          lambda s: s.cache_to_disk, _apply_cache_to_disk),
+          lambda s: s.cache_to_disk),
     Lever("fewer_workers", "fewer data-loader workers: each holds its own copy of what it loads in RAM",
           {"ai-toolkit": "datasets[].num_workers: 0", "kohya": "--max_data_loader_n_workers 0",
            "musubi": "--max_data_loader_n_workers 0", "diffusers": "--dataloader_num_workers=0",
            "onetrainer": "dataloader threads: 1"},
-          lambda s: None if s.workers is None else s.workers == 0, _apply_fewer_workers),
+          lambda s: None if s.workers is None else s.workers == 0),
     Lever("more_swap", "add swap space or system RAM (close what else uses it): the machine ran out, not the card",
-          {}, lambda s: None, _no_job_key),
+          {}, lambda s: None),
 )}
 
 
@@ -558,9 +506,8 @@ def _choose_first_change(diagnosis: Diagnosis, row: Row, settings: Settings, job
         return
     first = open_levers[0]
     diagnosis.lever = first.name
-    # A kohya job makes the change in its own options (fitfinder.trainers: KohyaJob.lever_changes).
-    changes = [] if job is None else job.lever_changes(first.name) if isinstance(job, trainers.KohyaJob) \
-        else first.apply(job)
+    # The change in the job's own keys or options, by its trainer (trainers.lever_changes).
+    changes = [] if job is None else trainers.lever_changes(job, first.name)
     if changes:  # a job file, or the config AI Toolkit echoed into the log
         diagnosis.changes = changes
         diagnosis.first_change = f"{first.text} (" + "; ".join(
@@ -727,23 +674,6 @@ def _decode_log(data: bytes) -> str:
 
 
 # -- helpers -------------------------------------------------------------------------------------------
-LADDER = (512, 768, 1024, 1280, 1536, 2048)
-
-
-def _step_down(size: int) -> int:
-    lower = [r for r in LADDER if r < size]
-    return lower[-1] if lower else size
-
-
-def _fewer_frames(frames: int) -> int:
-    """About half, kept at 4k+1 as Wan's VAE wants (81 -> 41, 33 -> 17)."""
-    return max(1, (frames - 1) // 2 // 4 * 4 + 1)
-
-
-def _as_list(value: Any) -> list:
-    return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
 def _yaml(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"

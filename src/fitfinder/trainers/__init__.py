@@ -75,6 +75,11 @@ def diagnose_settings(job: Any) -> dict[str, Any]:
     return job.diagnose_settings() if isinstance(job, KohyaJob) else aitoolkit.diagnose_settings(job)
 
 
+def lever_changes(job: Any, lever: str) -> list[tuple[str, Any, Any]]:
+    """diagnose's lever as the job's edits, (key or option, old, new), in its trainer's own names."""
+    return job.lever_changes(lever) if isinstance(job, KohyaJob) else aitoolkit.lever_changes(job, lever)
+
+
 def probe_request(job: Any, **run: Any) -> dict:
     """The probe request of the job by its trainer's rules (`run`: steps, meter, budget_bytes, gpu,
     spec, fault, sample_steps: how the probe runs)."""
@@ -220,5 +225,5 @@ def write_job_files(job: Any, folder: str | Path, overrides: dict[str, Any] | No
     return written
 
 
-__all__ = ["FORMATS", "KnobSpec", "KohyaJob", "diagnose_settings", "effective_batch", "knob_specs", "load",
-           "phases_run", "probe_request", "script_of", "write_job_files"]
+__all__ = ["FORMATS", "KnobSpec", "KohyaJob", "diagnose_settings", "effective_batch", "knob_specs",
+           "lever_changes", "load", "phases_run", "probe_request", "script_of", "write_job_files"]

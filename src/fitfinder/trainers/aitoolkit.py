@@ -10,12 +10,13 @@ toolkit/config_modules.py). This module holds what AI Toolkit's rules decide abo
 - the phases a probe of a point runs (`phases_run`: AI Toolkit's previews, skip_first_sample);
 - the probe request (`probe_request`): the model's precision and quantization as its loaders do
   them, the LoRA as its network builds it, the previews as its samplers draw them;
-- what diagnose's rollback reads of the job (`diagnose_settings`).
+- what diagnose's rollback reads of the job (`diagnose_settings`) and its levers as edits of the
+  job's keys (`lever_changes`).
 
 kohya's trainers answer the same questions in their own modules (sd_scripts.py, musubi_tuner.py,
 through `_kohya.KohyaJob`); the functions of the same names in `trainers` ask whichever trainer the
-job is for. Still outside: diagnose's levers edit an AI Toolkit job by its keys (diagnose.LEVERS),
-and the model's folder or shipped architecture is found by models.model_spec.
+job is for. Still outside: the model's folder or shipped architecture is found by
+models.model_spec, below the trainers.
 """
 
 from __future__ import annotations
@@ -525,6 +526,88 @@ _LABELS: dict[str, Callable[[Any], str]] = {
     "layer_offloading": lambda v: f"{round(v * 100)}%",
 }
 _SHORT = {"gradient_checkpointing": "gc", "sample_size": "sample", "text_encoder": "te", "layer_offloading": "offload"}
+
+
+# -- diagnose's levers, as edits of the job's keys ------------------------------------------------
+def lever_changes(job: JobFile, lever: str) -> list[tuple[str, Any, Any]]:
+    """diagnose's lever (diagnose.LEVERS) as this job's edits, (key under config.process[0], old, new);
+    none where no key of the job makes it (more swap space)."""
+    edit = _LEVER_EDITS.get(lever)
+    return edit(job) if edit is not None else []
+
+
+def _lever_switch(path: str, value: bool = True) -> Callable[[Any], list[tuple[str, Any, Any]]]:
+    return lambda job: [(path, bool(job.get(path)), value)]
+
+
+def _lever_batch(job) -> list[tuple[str, Any, Any]]:
+    batch, accumulation = int(job.get("train.batch_size")), job.accumulation
+    return [("train.batch_size", batch, 1), (job.accumulation_key, accumulation, accumulation * batch)]
+
+
+def _lever_bucket(job) -> list[tuple[str, Any, Any]]:
+    """Drop the largest bucket from every dataset that has it; a dataset left with none steps down."""
+    largest = max(job.buckets)
+    changes = []
+    for i, value in enumerate(job.get("datasets[*].resolution")):
+        sizes = [int(r) for r in _as_list(value)]
+        if largest not in sizes:
+            continue
+        kept = [r for r in sizes if r != largest] or [_step_down(largest)]
+        changes.append((f"datasets[{i}].resolution", sizes if isinstance(value, list) else value,
+                        kept if isinstance(value, list) or len(kept) > 1 else kept[0]))
+    return changes
+
+
+def _lever_frames(job) -> list[tuple[str, Any, Any]]:
+    frames = [int(f) for f in job.get("datasets[*].num_frames")]
+    fewer = _fewer_frames(max(frames))
+    return [(f"datasets[{i}].num_frames", f, fewer) for i, f in enumerate(frames) if f > fewer]
+
+
+def _lever_smaller_sample(job) -> list[tuple[str, Any, Any]]:
+    frames = int(job.get("sample.num_frames"))
+    if frames > 1:
+        return [("sample.num_frames", frames, _fewer_frames(frames))]
+    return [(key, int(job.get(key)), max(256, int(job.get(key)) // 2 // 64 * 64))
+            for key in ("sample.width", "sample.height") if int(job.get(key)) > 512]
+
+
+def _lever_cache_to_disk(job) -> list[tuple[str, Any, Any]]:
+    return [(f"datasets[{i}].cache_latents_to_disk", bool(v), True)
+            for i, v in enumerate(job.get("datasets[*].cache_latents_to_disk")) if not v]
+
+
+def _lever_fewer_workers(job) -> list[tuple[str, Any, Any]]:
+    return [(f"datasets[{i}].num_workers", int(w), 0)
+            for i, w in enumerate(job.get("datasets[*].num_workers", NUM_WORKERS)) if int(w) > 0]
+
+
+_LEVER_EDITS: dict[str, Callable[[JobFile], list[tuple[str, Any, Any]]]] = {
+    "checkpointing": _lever_switch("train.gradient_checkpointing"), "batch": _lever_batch, "bucket": _lever_bucket,
+    "frames": _lever_frames, "quantize": _lever_switch("model.quantize"), "low_vram": _lever_switch("model.low_vram"),
+    "cache_text": _lever_switch("train.cache_text_embeddings"), "quantize_text": _lever_switch("model.quantize_te"),
+    "sampling_off": _lever_switch("train.disable_sampling"), "smaller_sample": _lever_smaller_sample,
+    "cache_to_disk": _lever_cache_to_disk, "fewer_workers": _lever_fewer_workers,
+}
+
+
+# The buckets the rollback steps down through when it drops a dataset's only bucket.
+LADDER = (512, 768, 1024, 1280, 1536, 2048)
+
+
+def _step_down(size: int) -> int:
+    lower = [r for r in LADDER if r < size]
+    return lower[-1] if lower else size
+
+
+def _fewer_frames(frames: int) -> int:
+    """About half, kept at 4k+1 as Wan's VAE wants (81 -> 41, 33 -> 17)."""
+    return max(1, (frames - 1) // 2 // 4 * 4 + 1)
+
+
+def _as_list(value: Any) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 # -- the probe request ----------------------------------------------------------------------------
