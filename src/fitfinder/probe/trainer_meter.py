@@ -149,7 +149,7 @@ class TrainerMeter:
         """The caching allocator counts every OOM it raised, caught or not; new ones are this phase's."""
         if not isinstance(self.meter, CudaMeter):
             return
-        count = int(torch.cuda.memory_stats(self.meter.device).get("num_ooms", 0))
+        count = self.meter.oom_count()
         for _ in range(count - self.cuda_ooms):
             self.ooms.append({"phase": self.phase, "message": "CUDA out of memory (counted by the caching "
                               "allocator; the trainer caught it)", "steps_done": self._steps_done()})

@@ -37,7 +37,7 @@ class CudaMeter(PhaseClock):
         free, total = torch.cuda.mem_get_info(self.device)
         self.total_bytes = total
         self.outside_bytes = total - free - torch.cuda.memory_reserved(self.device)
-        self.ooms_at_start = _ooms_counted(self.device)
+        self.ooms_at_start = self.oom_count()
         self.budget_bytes = budget_bytes
         self.emulated = budget_bytes is not None and budget_bytes < total
         self.cap_bytes = None
@@ -80,9 +80,13 @@ class CudaMeter(PhaseClock):
             self.cap_bytes = max(self.budget_bytes - outside_bytes, 0)
             torch.cuda.set_per_process_memory_fraction(self.cap_bytes / self.total_bytes, self.device)
 
+    def oom_count(self) -> int:
+        """How many OOMs the caching allocator has raised in this process, whatever became of them."""
+        return int(torch.cuda.memory_stats(self.device).get("num_ooms", 0))
+
     def ran_out(self) -> str | None:
         """The caching allocator counts every OOM it raised, whatever became of the error."""
-        counted = _ooms_counted(self.device) - self.ooms_at_start
+        counted = self.oom_count() - self.ooms_at_start
         if counted <= 0:
             return None
         return f"OutOfMemoryError: CUDA out of memory ({counted} counted by the caching allocator)"
@@ -123,10 +127,6 @@ class CudaMeter(PhaseClock):
             text += (f", emulating a {format_bytes(self.budget_bytes)} card: PyTorch capped at "
                      f"{format_bytes(self.cap_bytes)}")
         return text
-
-
-def _ooms_counted(device: torch.device) -> int:
-    return int(torch.cuda.memory_stats(device).get("num_ooms", 0))
 
 
 def _warm_up(device: torch.device) -> None:
