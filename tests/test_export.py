@@ -13,7 +13,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from fitfinder import jobconfig
 from fitfinder.trainers import aitoolkit
-from fitfinder.results import kohya
+from fitfinder.trainers import aitoolkit_to_kohya as kohya
 from fitfinder.errors import UserError
 from tests.conftest import run_cli
 
@@ -73,6 +73,11 @@ def test_demo_winner_round_trips_through_kohya(demo_run, tmp_path):
     assert flat["gradient_checkpointing"] is summary["best"]["gradient_checkpointing"]
     assert flat["gradient_accumulation_steps"] * flat["train_batch_size"] == 4  # the effective batch kept
     assert flat["mixed_precision"] == "no" and flat["optimizer_type"] == "AdamW"
+
+    # The export is a job the commands take, printed as a user reads it (not only with --json).
+    estimated = run_cli("estimate", str(results / NAME / "kohya.sh"), "--arch", "flux-tiny", cwd=tmp_path)
+    assert estimated.returncode == 0, estimated.stderr
+    assert "estimate of" in estimated.stdout and "the highest phase" in estimated.stdout, estimated.stdout
     dataset = tomllib.loads((results / NAME / "kohya_dataset.toml").read_text())
     assert [d["resolution"] for d in dataset["datasets"]] == [256, 384, 512]
     assert all(d["subsets"][0]["image_dir"] == "/path/to/images/folder" for d in dataset["datasets"])

@@ -431,21 +431,11 @@ def _say_tight(out, space, tight, budget_bytes: int, limit_bytes: int, probed: b
 
 
 def _note_assumptions(out, job) -> None:
-    """What the estimate assumes where the job's files are not on this machine."""
-    from fitfinder import models
-    from fitfinder.trainers.aitoolkit import recovery_adapter
+    """What the estimate assumes where the job's files are not on this machine, or what it does not follow."""
+    from fitfinder import trainers
 
-    adapter = recovery_adapter(job, models.family_for(job))
-    if adapter is not None and not adapter["read"]:
-        out.note(f"the accuracy-recovery adapter {adapter['path']} is not on this machine: its rank is assumed "
-                 f"to be {adapter['rank']}, on the LoRA's layers (AI Toolkit reads both from the file)")
-    backend = str(job.get("train.attention_backend", None) or "native")
-    if backend != "native":  # BaseSDTrainProcess.run: set_attention_backend on the unet, VAE and encoders
-        out.note(f"train.attention_backend {backend}: estimated with diffusers' native attention (PyTorch's "
-                 "scaled_dot_product_attention); its kernels do not run on the CPU")
-    if job.get("model.compile", None):
-        out.note("model.compile: estimated uncompiled; torch.compile's fusions (and block_compile's) change "
-                 "what a card holds for activations, which fitfinder does not follow")
+    for note in trainers.assumptions(job):
+        out.note(note)
 
 
 def _estimate_search(job, runner, model, out) -> None:
@@ -717,7 +707,7 @@ def export(
 ) -> None:
     """Write the winner (results/NAME/best.yaml) for another trainer, and say what has no equivalent."""
     from fitfinder import jobconfig
-    from fitfinder.results import kohya
+    from fitfinder.trainers import aitoolkit_to_kohya as kohya
     from fitfinder.results.output import Output
 
     out = Output(json_output)

@@ -14,6 +14,8 @@ The layers above ask a job's trainer through `knob_specs`, `phases_run`, `effect
 (`_kohya.KohyaJob`) answers by its trainer's module (sd_scripts.py, musubi_tuner.py), and also
 gives its architecture and `write`, which writes it back in the same form with only fitfinder's
 changes differing.
+
+`aitoolkit_to_kohya` writes an AI Toolkit job as a kohya one (`fitfinder export --format kohya`).
 """
 
 from __future__ import annotations
@@ -78,6 +80,13 @@ def diagnose_settings(job: Any) -> dict[str, Any]:
 def lever_changes(job: Any, lever: str) -> list[tuple[str, Any, Any]]:
     """diagnose's lever as the job's edits, (key or option, old, new), in its trainer's own names."""
     return job.lever_changes(lever) if isinstance(job, KohyaJob) else aitoolkit.lever_changes(job, lever)
+
+
+def assumptions(job: Any) -> list[str]:
+    """What an estimate of the job assumes or does not follow, beyond what loading it noted: AI Toolkit's
+    (an adapter file not here, attention backends, compile); a kohya job's are its `notes`, made as it
+    is read."""
+    return [] if isinstance(job, KohyaJob) else aitoolkit.assumptions(job)
 
 
 def probe_request(job: Any, **run: Any) -> dict:
@@ -225,5 +234,5 @@ def write_job_files(job: Any, folder: str | Path, overrides: dict[str, Any] | No
     return written
 
 
-__all__ = ["FORMATS", "KnobSpec", "KohyaJob", "diagnose_settings", "effective_batch", "knob_specs",
+__all__ = ["FORMATS", "KnobSpec", "KohyaJob", "assumptions", "diagnose_settings", "effective_batch", "knob_specs",
            "lever_changes", "load", "phases_run", "probe_request", "script_of", "write_job_files"]

@@ -91,6 +91,23 @@ def diagnose_settings(job: JobFile) -> dict[str, Any]:
     )
 
 
+def assumptions(job: JobFile) -> list[str]:
+    """What an estimate of the job assumes where its files are not on this machine, or does not follow."""
+    notes = []
+    adapter = recovery_adapter(job, models.family_for(job))
+    if adapter is not None and not adapter["read"]:
+        notes.append(f"the accuracy-recovery adapter {adapter['path']} is not on this machine: its rank is assumed "
+                     f"to be {adapter['rank']}, on the LoRA's layers (AI Toolkit reads both from the file)")
+    backend = str(job.get("train.attention_backend", None) or "native")
+    if backend != "native":  # BaseSDTrainProcess.run: set_attention_backend on the unet, VAE and encoders
+        notes.append(f"train.attention_backend {backend}: estimated with diffusers' native attention (PyTorch's "
+                     "scaled_dot_product_attention); its kernels do not run on the CPU")
+    if job.get("model.compile", None):
+        notes.append("model.compile: estimated uncompiled; torch.compile's fusions (and block_compile's) change "
+                     "what a card holds for activations, which fitfinder does not follow")
+    return notes
+
+
 # AI Toolkit's DatasetConfig default for `num_workers` (toolkit/config_modules.py), which the job
 # defaults this project keeps do not carry.
 NUM_WORKERS = 2

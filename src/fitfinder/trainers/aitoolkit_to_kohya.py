@@ -1,4 +1,4 @@
-"""kohya's trainers: the winning AI Toolkit job written as sd-scripts / musubi-tuner settings, and read back.
+"""AI Toolkit to kohya: the winning AI Toolkit job written as sd-scripts / musubi-tuner settings, and read back.
 
 The script a family trains with, its options and their limits are the trainers' own
 (fitfinder.trainers: sd_scripts.py and musubi_tuner.py, each Script with its parser, its model's files,
