@@ -185,6 +185,34 @@ def test_the_cli_says_so_in_one_line(tmp_path):
     assert_one_clean_line(run_cli("estimate", "job.toml", cwd=tmp_path), "give --script NAME")
 
 
+def test_a_job_naming_its_files_by_its_own_folder_names_the_written_ones_so_and_runs_from_anywhere(tmp_path):
+    # kohya.sh (the export) names its TOMLs "$here/...": the trainer runs from its own checkout, where a
+    # bare name would not be found. The job written back keeps that, and bash finds every file.
+    import subprocess
+
+    folder = _copy(SD, tmp_path)
+    source = folder / "flux_lora_24gb.sh"
+    text = source.read_text().replace("--dataset_config dataset_1024_bs2.toml",
+                                      '--dataset_config "$here/dataset_1024_bs2.toml"')
+    source.write_text(text.replace("accelerate launch", 'here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"\n'
+                                   "accelerate launch", 1))
+    job = trainers.load(source)
+    found = space.build(job)
+    written = found.apply(job, {**found.desired(), "batch": 1}).write(tmp_path / "results" / "best.yaml")
+    assert '--dataset_config "$here/best_dataset.toml"' in written.read_text()
+    assert trainers.load(written).get("datasets[0].batch_size") == 1
+    stub = tmp_path / "bin"  # `accelerate` stands in for the trainer: it checks the dataset TOML is there
+    stub.mkdir()
+    (stub / "accelerate").write_text('#!/usr/bin/env bash\nwhile [ $# -gt 0 ]; do [ "$1" = --dataset_config ] && '
+                                     'test -f "$2" && echo found "$2"; shift; done\n')
+    (stub / "accelerate").chmod(0o755)
+    checkout = tmp_path / "sd-scripts"
+    checkout.mkdir()
+    ran = subprocess.run(["bash", str(written)], cwd=checkout, capture_output=True, text=True,
+                         env={"PATH": f"{stub}:/usr/bin:/bin"})
+    assert ran.returncode == 0 and f"found {written.parent / 'best_dataset.toml'}" in ran.stdout, ran
+
+
 def test_the_trainer_probe_writes_a_point_into_its_own_folder(tmp_path):
     job = trainers.load(SD / "flux_lora_24gb.sh")
     folder = tmp_path / "probe"

@@ -497,7 +497,7 @@ def write_files(job: KohyaJob, stem: str, header: list[str], folder: Path | None
     _relocated(job, line_edits, config_edits, dest)
     files: dict[str, str] = {}
     names = {"dataset": f"{stem}_dataset.toml", "config": f"{stem}.toml", "prompts": f"{stem}_prompts.txt"}
-    where = {kind: str(folder / name) if folder else name for kind, name in names.items()}
+    where = {kind: str(folder / name) if folder else _named_beside(job, kind, name) for kind, name in names.items()}
     prompts = prompt_text(job) if PROMPTS_SIZE in job.changes and job.get("sample_prompts") else None
     if prompts is not None:  # the previews' new size: a copy of the prompt file beside the job
         files[names["prompts"]] = prompts
@@ -514,6 +514,21 @@ def write_files(job: KohyaJob, stem: str, header: list[str], folder: Path | None
         dataset = line_edits.get("dataset_config", config_edits.get("dataset_config"))
         return {f"{stem}.sh": _shell_text(job, line_edits, header, dataset), **files}
     return {names["config"]: _config_text(job, config_edits, header), **files}
+
+
+_NAMING = {"dataset": "dataset_config", "config": "config_file", "prompts": "sample_prompts"}
+
+
+def _named_beside(job: KohyaJob, kind: str, name: str) -> str:
+    """A new file beside the written job, named as the job named the file it replaces: `$here/NAME`
+    where the shell file named it by its own folder's variable (the trainer runs from its checkout,
+    and a bare name would be read from there), else NAME (fitfinder reads it beside the job)."""
+    old = str(job.get(_NAMING[kind], None) or "")
+    for variable in job.folder_vars:
+        for prefix in (f"${variable}/", f"${{{variable}}}/"):
+            if old.startswith(prefix):
+                return prefix + name
+    return name
 
 
 def _relocated(job: KohyaJob, line_edits: dict, config_edits: dict, dest: Path | None) -> None:
