@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
-from fitfinder import jobconfig, probe  # noqa: E402
+from fitfinder import probe  # noqa: E402
+from fitfinder.trainers import aitoolkit_job  # noqa: E402
 from fitfinder.probe import estimate  # noqa: E402
 from fitfinder.probe.overhead import GpuOverhead  # noqa: E402
 from fitfinder.units import format_bytes  # noqa: E402
@@ -141,7 +142,7 @@ EXAMPLES = ROOT / "examples" / "aitk"  # the project's job files with AI Toolkit
 
 def flux_dev_job(quantize: bool, resolution: int = 512):
     """AI Toolkit's FLUX.1-dev 24 GB example at one bucket and previews of the same size."""
-    job = jobconfig.load(EXAMPLES / "train_lora_flux_24gb.yaml")
+    job = aitoolkit_job.load(EXAMPLES / "train_lora_flux_24gb.yaml")
     job.set("datasets[0].resolution", [resolution])
     job.set("sample.width", resolution)
     job.set("sample.height", resolution)
@@ -154,7 +155,7 @@ def full_size(runner) -> list[dict]:
     cases = [("FLUX.1-dev 512 GC bf16, no quantization", flux_dev_job(False)),
              ("FLUX.1-dev 512 GC bf16, 8-bit base (the 24 GB example)", flux_dev_job(True)),
              ("FLUX.1-dev 1024 GC bf16, 8-bit base", flux_dev_job(True, 1024))]
-    wan = jobconfig.load(EXAMPLES / "train_lora_wan22_14b_24gb.yaml")
+    wan = aitoolkit_job.load(EXAMPLES / "train_lora_wan22_14b_24gb.yaml")
     wan.settings.vram_bytes = 24 * GiB
     cases.append(("Wan 2.2 14B example (4-bit, low_vram, cached text)", wan))
     rows = []

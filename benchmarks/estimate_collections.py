@@ -27,14 +27,14 @@ JOB = ROOT / "examples" / "aitk" / "train_lora_flux_24gb.yaml"
 ONE_ESTIMATE = """
 import gc, json, sys, time, types
 from pathlib import Path
-from fitfinder import jobconfig
+from fitfinder.trainers import aitoolkit_job
 from fitfinder.probe import estimate
 from fitfinder.probe.meters import estimate as estimate_meter
 from fitfinder.probe.overhead import GpuOverhead
 
 if sys.argv[2] == "off":  # the meter's phases collect but freeze nothing
     estimate_meter.gc = types.SimpleNamespace(collect=gc.collect, freeze=lambda: None, unfreeze=gc.unfreeze)
-job = jobconfig.load(Path(sys.argv[1]))
+job = aitoolkit_job.load(Path(sys.argv[1]))
 job.settings.vram_bytes = 24 * 2**30
 request = estimate.request_for(job, GpuOverhead())
 collections = []

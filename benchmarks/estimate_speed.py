@@ -45,10 +45,11 @@ JOB = ROOT / "examples" / "aitk" / "train_lora_flux_24gb.yaml"
 BEFORE = """
 import sys
 from pathlib import Path
-from fitfinder import jobconfig, probe
+from fitfinder import probe
+from fitfinder.trainers import aitoolkit_job
 from fitfinder.probe import estimate
 from fitfinder.probe.overhead import GpuOverhead
-job = jobconfig.load(Path(sys.argv[1]))
+job = aitoolkit_job.load(Path(sys.argv[1]))
 job.settings.vram_bytes = 24 * 2**30
 estimate.run(job, probe.ProbeRunner(600), GpuOverhead())
 """

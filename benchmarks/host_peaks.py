@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
-from fitfinder import jobconfig  # noqa: E402
+from fitfinder.trainers import aitoolkit_job  # noqa: E402
 
 PHASES = ("load", "text_encoder", "latents", "sample", "train", "last_sample")
 GIB, MIB = 1024 ** 3, 1024 ** 2
@@ -58,7 +58,7 @@ def estimates() -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for name in EXAMPLES:
-            job = jobconfig.load(ROOT / "examples" / "aitk" / name)
+            job = aitoolkit_job.load(ROOT / "examples" / "aitk" / name)
             for label, changes in variants(job):
                 answer = estimate(job, changes, Path(folder))
                 stats = answer["phase_stats"]

@@ -68,10 +68,11 @@ def _hammer(url: str, count: int, queue) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    from fitfinder import jobconfig, search, space as spaces
+    from fitfinder import search, space as spaces
+    from fitfinder.trainers import aitoolkit_job
     from fitfinder.search import study as studies
 
-    job = jobconfig.load(ROOT / "configs" / "demo.yaml")
+    job = aitoolkit_job.load(ROOT / "configs" / "demo.yaml")
     space = spaces.build(job)
     study = studies.open_study(url, "stress", space, {"budget_bytes": None})
     points = list(space.points())

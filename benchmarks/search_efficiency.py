@@ -42,7 +42,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from fitfinder import jobconfig, probe, search, space as spaces  # noqa: E402
+from fitfinder import probe, search, space as spaces  # noqa: E402
+from fitfinder.trainers import aitoolkit_job  # noqa: E402
 
 CACHE = ROOT / "benchmarks" / "cache"
 # The ground truth's speeds are medians of three timings (Speeds), and on the CPU offloading
@@ -118,7 +119,7 @@ def scenarios(only: str | None):
     for name, text in JOBS.items():
         if only and not name.startswith(only):
             continue
-        job = jobconfig.loads(text, f"{name}.yaml")
+        job = aitoolkit_job.loads(text, f"{name}.yaml")
         yield name, job, spaces.build(job)
 
 

@@ -38,7 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from fitfinder import jobconfig, probe, search, space as spaces  # noqa: E402
+from fitfinder import probe, search, space as spaces  # noqa: E402
+from fitfinder.trainers import aitoolkit_job  # noqa: E402
 
 SPEED_TIE = 0.10
 JOB = """
@@ -156,7 +157,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="steps per probe")
     parser.add_argument("--json", type=Path, help="write the table here")
     args = parser.parse_args()
-    job = jobconfig.loads(JOB, "timing.yaml")
+    job = aitoolkit_job.loads(JOB, "timing.yaml")
     space = spaces.build(job)
     points = points_of(space)
     runner = probe.ProbeRunner(timeout_s=600)

@@ -152,12 +152,12 @@ fi
 "$PY" - "$jobs" "${points[@]}" <<'PY'
 import json, sys
 from pathlib import Path
-from fitfinder import jobconfig
+from fitfinder.trainers import aitoolkit_job
 from fitfinder.units import parse_bytes
 jobs = Path(sys.argv[1])
 for spec in sys.argv[2:]:
     name, label, resolution, quantize, checkpointing, vram = spec.split("|")
-    job = jobconfig.load("examples/aitk/train_lora_flux_24gb.yaml")
+    job = aitoolkit_job.load("examples/aitk/train_lora_flux_24gb.yaml")
     if resolution != "example":
         job.set("datasets[0].resolution", [int(resolution)])
         job.set("sample.width", int(resolution))
@@ -227,13 +227,13 @@ if [ -n "${AITK_PATH:-}" ]; then
 import sys
 from pathlib import Path
 from PIL import Image
-from fitfinder import jobconfig
+from fitfinder.trainers import aitoolkit_job
 source, target, model, images = sys.argv[1:]
 Path(images).mkdir(parents=True, exist_ok=True)
 for i in range(4):  # a dataset AI Toolkit can read: four noise images and their captions
     Image.effect_noise((768, 768), 40 + 10 * i).convert("RGB").save(f"{images}/{i}.png")
     Path(f"{images}/{i}.txt").write_text(f"a photo of noise number {i}")
-job = jobconfig.load(source)
+job = aitoolkit_job.load(source)
 job.set("model.name_or_path", model)
 job.set("datasets[0].folder_path", images)
 Path(target).write_text(job.dumps(["scripts/gpu_check.sh: the first point, on real weights, for AI Toolkit"]))

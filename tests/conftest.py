@@ -129,13 +129,13 @@ fitfinder: {{weights: {weights}}}
 def tiny_job(family: str, changes: dict | None = None, name: str | None = None, weights: str = "random",
              more_datasets: list | None = None):
     """The tiny job of a family, with `changes` ({key path: value}) applied as the search would."""
-    from fitfinder import jobconfig
+    from fitfinder.trainers import aitoolkit_job
 
     from fitfinder.models import FAMILIES
 
     text = TINY_JOB.format(family=family, arch=FAMILIES[family].arch_values[0],
                            name=name or f"fitfinder/{family}-tiny", weights=weights, **tiny_sizes(family))
-    job = jobconfig.loads(text, f"<tiny {family} job>")
+    job = aitoolkit_job.loads(text, f"<tiny {family} job>")
     job.process["datasets"].extend(more_datasets or [])
     for path, value in (changes or {}).items():
         job.set(path, value)

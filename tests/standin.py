@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from fitfinder import jobconfig, search, space as spaces
+from fitfinder import search, space as spaces
+from fitfinder.trainers import aitoolkit_job
 from fitfinder.search.planner import CONFIRM_FACTOR, _among, _open_speed, _with_guess
 
 MiB = 2**20
@@ -40,7 +41,7 @@ fitfinder: {weights: random}
 def make_space(text: str = JOB) -> spaces.Space:
     """The job's space, its low_vram claiming every phase: the stand-in's low_vram lightens the weights
     everywhere (as Wan 2.2's keeps one expert on the device), where FLUX.1's moves only the load."""
-    space = spaces.build(jobconfig.loads(text, "standin.yaml"))
+    space = spaces.build(aitoolkit_job.loads(text, "standin.yaml"))
     knobs = [replace(knob, phases=frozenset(spaces.PHASES)) if knob.name == "low_vram" else knob
              for knob in space.knobs]
     return spaces.Space(knobs, space.job)

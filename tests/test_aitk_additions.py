@@ -3,7 +3,8 @@ backends, uint8, validation loss, attention backends and compile, CogView4."""
 
 import pytest
 
-from fitfinder import jobconfig, models, probe
+from fitfinder import models, probe, trainers
+from fitfinder.trainers import aitoolkit_job
 from fitfinder.errors import ConfigError, UserError
 from tests.conftest import tiny_job
 
@@ -14,7 +15,7 @@ def test_ai_toolkits_own_quantization_backends_are_refused_in_one_line(qtype, ba
     """toolkit/util/ostris_quant.py get_ostris_quantizer: packed states and forwards of their own."""
     job = tiny_job("flux", {"model.quantize": True, "model.qtype": qtype})
     with pytest.raises(ConfigError) as refused:
-        jobconfig.loads(job.dumps(), "<job>")
+        aitoolkit_job.loads(job.dumps(), "<job>")
     line = str(refused.value)
     assert f"model.qtype: {qtype} is AI Toolkit's {backend}" in line and "does not follow yet" in line
     assert "\n" not in line
@@ -27,7 +28,7 @@ def test_uint8_leaves_every_layer_as_it_is():
     from fitfinder.models._weights import quantize
 
     stack = torch.nn.Sequential(torch.nn.Linear(128, 128, dtype=torch.bfloat16))
-    jobconfig.loads(tiny_job("flux", {"model.quantize": True, "model.qtype": "uint8"}).dumps(), "<job>")
+    aitoolkit_job.loads(tiny_job("flux", {"model.quantize": True, "model.qtype": "uint8"}).dumps(), "<job>")
     assert quantize(stack, "uint8") == 0 and type(stack[0]) is torch.nn.Linear
 
 
@@ -75,6 +76,6 @@ def test_what_the_cpu_cannot_run_is_said_in_a_note():
 def test_cogview4_is_known_and_not_probed_yet():
     """toolkit/models/cogview4.py CogView4 (arch 'cogview4')."""
     with pytest.raises(UserError) as told:
-        models.model_spec(tiny_job("flux", {"model.arch": "cogview4", "model.name_or_path": "THUDM/CogView4-6B"}))
+        trainers.model_spec(tiny_job("flux", {"model.arch": "cogview4", "model.name_or_path": "THUDM/CogView4-6B"}))
     assert "knows model.arch 'cogview4' but cannot probe the cogview4 family yet" in str(told.value)
     assert models.NAME_HINTS["cogview4"] == "cogview4"

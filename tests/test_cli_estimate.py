@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from fitfinder import jobconfig, probe
+from fitfinder import probe
+from fitfinder.trainers import aitoolkit_job
 from fitfinder.probe import overhead
 from tests.conftest import DEMO, EXAMPLES, assert_one_clean_line, run_cli
 
@@ -15,7 +16,7 @@ ALL_PHASES = ["load", "text_encoder", "latents", "sample", "train", "last_sample
 @pytest.fixture(scope="module")
 def demo_sim_peaks():
     """The demo probed on the sim meter without a budget: what the estimate must predict exactly."""
-    job = jobconfig.load(DEMO)
+    job = aitoolkit_job.load(DEMO)
     result = probe.ProbeRunner(300).run(probe.request_for(job, 4, "sim", None))
     assert result["status"] == "ok", result.get("error")
     return result["phases"]
@@ -96,7 +97,7 @@ def test_search_on_estimates_says_how_far_a_better_tight_point_is_past_the_limit
 def test_a_long_estimate_says_its_phase_on_stderr_and_nothing_on_stdout(capfd):
     from fitfinder.probe import estimate
 
-    found = estimate.run(jobconfig.load(DEMO), estimate.InProcess(300, progress_after_s=0.0),
+    found = estimate.run(aitoolkit_job.load(DEMO), estimate.InProcess(300, progress_after_s=0.0),
                          overhead.GpuOverhead.none())
     out, err = capfd.readouterr()
     assert out == "" and found.phases

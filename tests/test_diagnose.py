@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from fitfinder import diagnose, jobconfig
+from fitfinder import diagnose
+from fitfinder.trainers import aitoolkit_job
 from fitfinder.errors import UserError
 
 LOGS = Path(__file__).parent / "logs"
@@ -47,7 +48,7 @@ def _job(tmp_path: Path, text: str = JOB, **edits: str) -> Path:
 
 
 def _diagnose(log: str, job_path: Path | None = None):
-    job = jobconfig.load(job_path) if job_path else None
+    job = aitoolkit_job.load(job_path) if job_path else None
     return diagnose.diagnose(diagnose.read_log(LOGS / log), job, log)
 
 
@@ -114,7 +115,7 @@ def test_run_writes_the_first_change_with_comments_and_a_header(tmp_path):
     assert "#   train.gradient_checkpointing: false -> true" in text
     assert re.search(r"gradient_checkpointing: true +# fitfinder: was false \(off: faster\)", text)
     assert "# rank" in text and "# buckets" in text
-    assert jobconfig.load(out).get("train.gradient_checkpointing") is True
+    assert aitoolkit_job.load(out).get("train.gradient_checkpointing") is True
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fixed.yaml", "job.yaml"]  # no temporary file left
 
 

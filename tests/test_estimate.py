@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from fitfinder import jobconfig, probe
+from fitfinder import probe
+from fitfinder.trainers import aitoolkit_job
 from fitfinder.probe import estimate, meters
 from fitfinder.probe.meters import _fake_mode
 from fitfinder.probe.overhead import GpuOverhead
@@ -198,7 +199,7 @@ def test_flux_dev_at_512_fits_24_gib_only_with_the_8_bit_base(runner, quantize):
 
 @pytest.mark.slow
 def test_the_wan22_example_runs_through_the_estimate(runner):
-    job = jobconfig.load(EXAMPLES / "train_lora_wan22_14b_24gb.yaml")
+    job = aitoolkit_job.load(EXAMPLES / "train_lora_wan22_14b_24gb.yaml")
     job.settings.vram_bytes = 24 * GiB
     found = estimate.run(job, runner, GpuOverhead())
     assert found.arch_name == "wan22-14b" and list(found.phases) == ALL_PHASES
@@ -210,7 +211,7 @@ def test_the_wan22_example_runs_through_the_estimate(runner):
 
 # -- the request -------------------------------------------------------------------------------
 def test_an_estimate_is_one_primed_step_and_one_denoising_step_of_the_probe_request():
-    job = jobconfig.load(DEMO)
+    job = aitoolkit_job.load(DEMO)
     request = probe.request_for(job, 20, "sim", job.settings.vram_bytes)
     request["fault"] = "hang"
     estimated = estimate.as_estimate(request, GpuOverhead())
@@ -222,7 +223,7 @@ def test_an_estimate_is_one_primed_step_and_one_denoising_step_of_the_probe_requ
 
 
 def test_an_estimate_needs_no_weights_only_the_architecture():
-    job = jobconfig.load(EXAMPLES / "train_lora_flux_24gb.yaml")  # pretrained weights, not downloaded
+    job = aitoolkit_job.load(EXAMPLES / "train_lora_flux_24gb.yaml")  # pretrained weights, not downloaded
     request = estimate.request_for(job, GpuOverhead())
     assert request["model"]["arch_name"] == "flux-dev" and request["model"]["path"] is None
 

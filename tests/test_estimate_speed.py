@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from fitfinder import jobconfig, probe
+from fitfinder import probe
+from fitfinder.trainers import aitoolkit_job
 from fitfinder.probe import estimate
 from fitfinder.probe.overhead import GpuOverhead
 from tests.conftest import DEMO
@@ -16,7 +17,7 @@ from tests.conftest import DEMO
 
 @pytest.fixture(scope="module")
 def demo_request():
-    return estimate.request_for(jobconfig.load(DEMO), GpuOverhead())
+    return estimate.request_for(aitoolkit_job.load(DEMO), GpuOverhead())
 
 
 def test_in_process_gives_the_probe_process_peaks_to_the_byte(demo_request):

@@ -3,7 +3,8 @@ whether fitfinder can estimate and probe its model today."""
 
 import pytest
 
-from fitfinder import jobconfig, models
+from fitfinder import models, trainers
+from fitfinder.trainers import aitoolkit_job
 from fitfinder.errors import ConfigError
 from tests.conftest import EXAMPLES, assert_one_clean_line, run_cli, supports_line
 
@@ -63,10 +64,10 @@ def test_every_job_file_names_the_ai_toolkit_source_it_carries(path):
 
 @pytest.mark.parametrize("stem", sorted(SUPPORTED))
 def test_jobs_of_supported_families_give_a_model_spec_of_their_shipped_architecture(stem):
-    job = jobconfig.load(EXAMPLES / f"{stem}.yaml")
-    assert models.architecture_spec(job)["arch_name"] == SUPPORTED[stem]
+    job = aitoolkit_job.load(EXAMPLES / f"{stem}.yaml")
+    assert trainers.architecture_spec(job)["arch_name"] == SUPPORTED[stem]
     job.settings = job.settings.with_options(weights="random")
-    spec = models.model_spec(job)
+    spec = trainers.model_spec(job)
     assert (spec["family"], spec["arch_name"], spec["weights"]) == (
         models.known_archs()[SUPPORTED[stem]]["family"], SUPPORTED[stem], "random")
 
@@ -74,7 +75,7 @@ def test_jobs_of_supported_families_give_a_model_spec_of_their_shipped_architect
 @pytest.mark.parametrize("stem", sorted(NOT_YET))
 def test_jobs_of_families_to_come_read_and_are_told_so_in_one_line(stem, tmp_path):
     path = EXAMPLES / f"{stem}.yaml"
-    jobconfig.load(path)  # the job file itself is fine
+    aitoolkit_job.load(path)  # the job file itself is fine
     model, family = NOT_YET[stem]
     done = run_cli("estimate", str(path), "--vram", "24GiB", cwd=tmp_path)
     assert_one_clean_line(done, f"fitfinder: error: {path}: config.process[0].model: fitfinder knows {model} but "
@@ -84,7 +85,7 @@ def test_jobs_of_families_to_come_read_and_are_told_so_in_one_line(stem, tmp_pat
 @pytest.mark.parametrize("stem", sorted(NO_LORA))
 def test_jobs_without_a_lora_are_refused_by_the_job_file_checks(stem):
     with pytest.raises(ConfigError) as raised:
-        jobconfig.load(EXAMPLES / f"{stem}.yaml")
+        aitoolkit_job.load(EXAMPLES / f"{stem}.yaml")
     problems = [problem.removeprefix("config.process[0].") for problem in raised.value.problems]
     assert len(problems) == len(NO_LORA[stem])
     assert all(problem.startswith(start) for problem, start in zip(problems, NO_LORA[stem]))
@@ -96,7 +97,7 @@ def test_jobs_without_a_lora_are_refused_by_the_job_file_checks(stem):
 def test_schnell_and_flex_jobs_probe_through_the_flux_family_on_a_tiny_arch(stem, tiny, tmp_path):
     import json
 
-    job = jobconfig.load(EXAMPLES / f"{stem}.yaml")
+    job = aitoolkit_job.load(EXAMPLES / f"{stem}.yaml")
     job.set("model.name_or_path", tiny)
     job.set("datasets[0].resolution", [64, 96, 128])
     job.set("sample.width", 128)

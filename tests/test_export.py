@@ -11,7 +11,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from fitfinder import jobconfig
+from fitfinder.trainers import aitoolkit_job
 from fitfinder.trainers import aitoolkit
 from fitfinder.trainers import aitoolkit_to_kohya as kohya
 from fitfinder.errors import UserError
@@ -27,12 +27,12 @@ def _knob_values(settings: dict) -> dict:
             "batch": settings["train.batch_size"], "gradient_checkpointing": settings["train.gradient_checkpointing"]}
 
 
-def _same(job: jobconfig.JobFile, setting: str, value) -> bool:
+def _same(job: aitoolkit_job.JobFile, setting: str, value) -> bool:
     """Whether a setting read back equals the job's, in AI Toolkit's own reading of the job."""
     if setting == "train.gradient_accumulation_steps":
         return value == job.accumulation
     if setting == "train.dtype":
-        return value == jobconfig.DTYPES[str(job.get("train.dtype")).lower()]
+        return value == aitoolkit_job.DTYPES[str(job.get("train.dtype")).lower()]
     if setting == "train.optimizer":
         return value == str(job.get("train.optimizer")).lower()
     if setting.endswith(".resolution"):
@@ -63,7 +63,7 @@ def test_demo_winner_round_trips_through_kohya(demo_run, tmp_path):
 
     read = kohya.read(results / NAME)
     assert _knob_values(read) == summary["best"]  # the same knob values
-    best = jobconfig.load(results / NAME / "best.yaml")
+    best = aitoolkit_job.load(results / NAME / "best.yaml")
     different = {k: v for k, v in read.items() if not _same(best, k, v)}
     assert different == {}
 
@@ -133,7 +133,7 @@ config:
     (WAN_JOB, "musubi-tuner", {"model.qtype", "model.low_vram"}),
 ], ids=["flux", "wan"])
 def test_jobs_round_trip_and_say_what_differs(text, repo, unmatched, tmp_path):
-    job = jobconfig.loads(text, "job.yaml")
+    job = aitoolkit_job.loads(text, "job.yaml")
     done = kohya.write(job, tmp_path)
     assert done.trainer.repo == repo
     assert {r.setting for r in done.rows if r.kind != "exact"} == unmatched
@@ -171,7 +171,7 @@ def test_an_export_is_a_kohya_job_fitfinder_reads_and_estimates(arch, name, scri
     from fitfinder.probe import request as requests
 
     text = FLUX_JOB.replace("is_flux: true", f"arch: {arch}").replace("black-forest-labs/FLUX.1-dev", name)
-    kohya.write(jobconfig.loads(text, "job.yaml"), tmp_path)
+    kohya.write(aitoolkit_job.loads(text, "job.yaml"), tmp_path)
     job = trainers.load(tmp_path / "kohya.sh")  # `$here/kohya.toml`: the files beside it
     assert job.script.name == script and job.config_path == tmp_path / "kohya.toml"
     assert {key: job.get(key) for key in own} == own
@@ -187,7 +187,7 @@ def test_an_export_is_a_kohya_job_fitfinder_reads_and_estimates(arch, name, scri
 def test_image_to_video_jobs_export_to_their_musubi_task(arch, name, task, clip, tmp_path):
     text = WAN_JOB.replace("name_or_path: ai-toolkit/Wan2.2-T2V-A14B-Diffusers-bf16, arch: wan22_14b",
                            f"name_or_path: {name}, arch: {arch}")
-    done = kohya.write(jobconfig.loads(text, "job.yaml"), tmp_path)
+    done = kohya.write(aitoolkit_job.loads(text, "job.yaml"), tmp_path)
     script = (tmp_path / "kohya.sh").read_text()
     assert tomllib.loads((tmp_path / "kohya.toml").read_text())["model"]["task"] == task
     assert ("--clip" in script) is clip  # Wan 2.1 I2V's CLIP image encoder; Wan 2.2 has none
@@ -198,14 +198,14 @@ def test_a_family_musubi_tuner_does_not_train_is_refused_in_one_line(tmp_path):
     text = WAN_JOB.replace("name_or_path: ai-toolkit/Wan2.2-T2V-A14B-Diffusers-bf16, arch: wan22_14b",
                            "name_or_path: Wan-AI/Wan2.2-TI2V-5B-Diffusers, arch: wan22_5b")
     with pytest.raises(UserError) as caught:
-        kohya.write(jobconfig.loads(text, "job.yaml"), tmp_path)
+        kohya.write(aitoolkit_job.loads(text, "job.yaml"), tmp_path)
     assert str(caught.value).startswith("kohya export: no kohya trainer known for the wan22_5b family")
     assert list(tmp_path.iterdir()) == []  # nothing half-written
 
 
 def test_a_family_fitfinder_does_not_know_never_reaches_the_export(tmp_path):
     with pytest.raises(UserError) as caught:
-        jobconfig.loads(FLUX_JOB.replace("is_flux: true", "arch: not_a_model"), "job.yaml")
+        aitoolkit_job.loads(FLUX_JOB.replace("is_flux: true", "arch: not_a_model"), "job.yaml")
     assert "model.arch: fitfinder does not support the model 'not_a_model'; it supports: " in str(caught.value)
 
 
@@ -246,7 +246,7 @@ STUB = "#!/bin/sh\nfor a in \"$@\"; do printf '%s\\n' \"$a\"; done >> \"$STUB_LO
 
 def _hostile_job(text: str, field: str, value: str, tmp_path, file_name: str = "job.yaml"):
     """The job with `value` in `field`, written out and read back as YAML (as best.yaml is)."""
-    job = jobconfig.loads(text, "job.yaml")
+    job = aitoolkit_job.loads(text, "job.yaml")
     if field == "config.name":
         job.data["config"]["name"] = value
     elif field == "sample.prompts":
@@ -255,7 +255,7 @@ def _hostile_job(text: str, field: str, value: str, tmp_path, file_name: str = "
         job.set(field, value)
     path = tmp_path / file_name
     path.write_text(job.dumps(), encoding="utf-8")
-    return jobconfig.load(path)
+    return aitoolkit_job.load(path)
 
 
 def _run_script(script, tmp_path) -> list[list[str]]:
@@ -334,7 +334,7 @@ def test_export_files_take_the_mode_the_umask_gives(tmp_path):
 
     old = os.umask(0o027)
     try:
-        kohya.write(jobconfig.loads(FLUX_JOB, "job.yaml"), tmp_path)
+        kohya.write(aitoolkit_job.loads(FLUX_JOB, "job.yaml"), tmp_path)
     finally:
         os.umask(old)
     modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from fitfinder import models, probe
+from fitfinder import models, probe, trainers
 from fitfinder.trainers.aitoolkit import _preview_size, layer_offloading
 from tests.conftest import sweep, tiny_job
 
@@ -358,7 +358,7 @@ def test_an_encoder_offloaded_in_part_in_host_memory_estimates_to_the_sim_meters
 
 
 def test_the_offloading_knob_writes_ai_toolkits_own_keys(tmp_path):
-    from fitfinder import jobconfig
+    from fitfinder.trainers import aitoolkit_job
     from fitfinder import space as spaces
     from fitfinder.results.report import export_best
 
@@ -368,7 +368,7 @@ def test_the_offloading_knob_writes_ai_toolkits_own_keys(tmp_path):
     assert knob.candidates == (1.0, 0.75, 0.5, 0.25, 0.0) and knob.desired == 0.0 and knob.role == "speed"
     assert spaces.SPEED_ORDER[-1] == "layer_offloading"
     written = export_best(job, space, {**space.desired(), "layer_offloading": 0.5}, tmp_path, [])
-    best = jobconfig.load(written)
+    best = aitoolkit_job.load(written)
     assert best.get("model.layer_offloading") is True
     assert best.get("model.layer_offloading_transformer_percent") == 0.5
     assert best.get("model.layer_offloading_text_encoder_percent") == 0.5
@@ -547,7 +547,7 @@ def test_a_torchao_float8_job_estimates_to_the_sim_meters_bytes():
 def test_qwen_image_captions_are_encoded_up_to_1024_tokens():
     """QwenImageModel.get_prompt_embeds: encode_prompt's max_sequence_length (1024) and the tokenizer's
     tokenizer_max_length (1024) past the template; the probe encodes the longest caption a job can have."""
-    assert models.architecture_spec(tiny_job("qwen_image", name="Qwen/Qwen-Image"))["arch"]["text_seq_len"] == 1024
+    assert trainers.architecture_spec(tiny_job("qwen_image", name="Qwen/Qwen-Image"))["arch"]["text_seq_len"] == 1024
 
 
 def test_flux_brings_t5_to_the_device_before_clip_and_the_vae_last():
@@ -576,7 +576,7 @@ def test_flux_brings_t5_to_the_device_before_clip_and_the_vae_last():
 def test_a_datasets_own_batch_size_is_the_batch_and_the_batch_knob_writes_it():
     """toolkit/data_loader.py get_dataloader_from_datasets (b96476a8): a dataset's batch_size overrides
     train.batch_size; fitfinder probes one batch size and refuses datasets that differ, in one line."""
-    from fitfinder import jobconfig
+    from fitfinder.trainers import aitoolkit_job
     from fitfinder import space as spaces
     from fitfinder.errors import ConfigError
 
@@ -588,7 +588,7 @@ def test_a_datasets_own_batch_size_is_the_batch_and_the_batch_knob_writes_it():
     mixed = tiny_job("flux", {"datasets[0].batch_size": 2}, more_datasets=[
         {"folder_path": "/data/more", "resolution": [256], "batch_size": 4}])
     with pytest.raises(ConfigError) as refused:
-        jobconfig.loads(mixed.dumps(), "<mixed batches>")
+        aitoolkit_job.loads(mixed.dumps(), "<mixed batches>")
     assert "datasets[*].batch_size: these datasets batch by 2, 4" in str(refused.value)
 
 

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from fitfinder import jobconfig, probe, space as spaces
+from fitfinder import probe, space as spaces
+from fitfinder.trainers import aitoolkit_job
 from fitfinder.probe import estimate
 from fitfinder.probe.overhead import GpuOverhead
 from tests.conftest import DEMO, run_cli, tiny_job
@@ -46,15 +47,15 @@ def test_ema_is_a_quality_knob_only_where_the_job_asks_for_it():
 
 def test_a_lora_job_without_a_rank_still_says_what_is_missing():
     text = tiny_job("flux").dumps().replace("linear: 8, linear_alpha: 8", "type: lora")
-    with pytest.raises(jobconfig.ConfigError) as refused:
-        jobconfig.loads(text.replace("{type: lora, type: lora}", "{type: lora}"), "<job>")
+    with pytest.raises(aitoolkit_job.ConfigError) as refused:
+        aitoolkit_job.loads(text.replace("{type: lora, type: lora}", "{type: lora}"), "<job>")
     assert ("network.linear: missing; set the LoRA rank, or leave `network` out for a full fine-tune"
             in str(refused.value))
 
 
 @pytest.mark.slow
 def test_the_estimate_equals_the_sim_meter_on_the_full_fine_tune_demo():
-    job = jobconfig.loads(full_fine_tune_demo(), "<full fine-tune demo>")
+    job = aitoolkit_job.loads(full_fine_tune_demo(), "<full fine-tune demo>")
     request = probe.request_for(job, 4, "sim", None)
     runner = probe.ProbeRunner(timeout_s=300)
     sim, fake = runner.run(request), runner.run(estimate.as_estimate(request, GpuOverhead.none()))
@@ -72,7 +73,7 @@ def test_the_full_fine_tune_demo_search_proves_a_winner(tmp_path):
     summary = json.loads(done.stdout)
     assert summary["status"] == "fit" and summary["proven"], summary
     assert set(summary["best"]) == {"buckets", "gradient_checkpointing", "batch"}  # no rank knob
-    best = jobconfig.load(tmp_path / "results" / "demo_flux_full" / "best.yaml")
+    best = aitoolkit_job.load(tmp_path / "results" / "demo_flux_full" / "best.yaml")
     assert not best.has("network") and best.get("train.optimizer") == "adafactor"
     assert summary["peak_bytes"] <= 13.2 * 2**20 * 0.95
 

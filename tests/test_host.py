@@ -49,9 +49,10 @@ def folder(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def load_peaks() -> dict[float, int]:
     """The host peak of the load at 100% and at no offloading, as the sim meter measures it here."""
-    from fitfinder import jobconfig, probe, space
+    from fitfinder import probe, space
+    from fitfinder.trainers import aitoolkit_job
 
-    job = jobconfig.loads(_job_text(), "<host job>")
+    job = aitoolkit_job.loads(_job_text(), "<host job>")
     runner, peaks = probe.ProbeRunner(timeout_s=300), {}
     for share in (1.0, 0.0):
         found = runner.run(probe.request_for(space.build(job).apply(job, {"layer_offloading": share}), 1, "sim", None))
@@ -134,9 +135,9 @@ def test_a_bad_ram_in_the_job_file_is_one_line_and_exit_2(tmp_path):
 
 
 def test_the_job_files_ram_is_the_budget_without_the_option(tmp_path):
-    from fitfinder import jobconfig
+    from fitfinder.trainers import aitoolkit_job
 
-    job = jobconfig.loads(_job_text().replace("  vram: 1GiB\n", "  vram: 1GiB\n  ram: 24GiB\n"), "<job>")
+    job = aitoolkit_job.loads(_job_text().replace("  vram: 1GiB\n", "  vram: 1GiB\n  ram: 24GiB\n"), "<job>")
     assert job.settings.ram_bytes == 24 * 2**30
     assert tiny_job(FAMILY).settings.ram_bytes is None  # none unless given
 

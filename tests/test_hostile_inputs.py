@@ -629,17 +629,18 @@ def test_hostile_input_as_a_process(name, tmp_path):
 # -- result files: the umask's mode, and a full disk in one line ----------------------------------
 def test_result_files_take_the_mode_the_umask_gives(tmp_path):
     """mkstemp makes 0600 files; written through it, results were unreadable by the group under umask 022."""
-    from fitfinder import jobconfig, space
+    from fitfinder import files, space
+    from fitfinder.trainers import aitoolkit_job
     from fitfinder.results import report
 
-    job = jobconfig.load(DEMO)
+    job = aitoolkit_job.load(DEMO)
     old = os.umask(0o022)
     try:
-        jobconfig.write_atomic(tmp_path / "plain.txt", "x\n")
+        files.write_atomic(tmp_path / "plain.txt", "x\n")
         built = space.build(job)
         best = report.export_best(job, built, built.lightest(), tmp_path / "results", ["a fact"])
         os.umask(0o077)
-        jobconfig.write_atomic(tmp_path / "private.txt", "x\n")
+        files.write_atomic(tmp_path / "private.txt", "x\n")
     finally:
         os.umask(old)
     assert (tmp_path / "plain.txt").stat().st_mode & 0o777 == 0o644
@@ -649,7 +650,7 @@ def test_result_files_take_the_mode_the_umask_gives(tmp_path):
 
 
 def test_a_full_disk_is_one_line_and_leaves_no_temporary_file(tmp_path):
-    from fitfinder import jobconfig
+    from fitfinder import files
     from fitfinder.errors import UserError
 
     small = tmp_path / "small"
@@ -661,7 +662,7 @@ def test_a_full_disk_is_one_line_and_leaves_no_temporary_file(tmp_path):
         pytest.skip(f"no tmpfs here: {mounted.stderr.decode()[:100]}")
     try:
         with pytest.raises(UserError) as caught:
-            jobconfig.write_atomic(small / "report.html", "x" * 1_000_000)
+            files.write_atomic(small / "report.html", "x" * 1_000_000)
         left = list(small.iterdir())
     finally:
         subprocess.run(["umount", str(small)], check=True)
@@ -672,11 +673,11 @@ def test_a_full_disk_is_one_line_and_leaves_no_temporary_file(tmp_path):
 def test_the_checks_refuse_nothing_a_real_job_holds():
     """The LoRA jobs of AI Toolkit's examples, the demo, an empty `neg:` or `trigger_word:` (null), a learning
     rate PyYAML reads as text ("1e-4"), and seed -1 still load."""
-    from fitfinder import jobconfig
+    from fitfinder.trainers import aitoolkit_job
 
     for path in [DEMO, *sorted((ROOT / "examples" / "aitk").glob("*lora*.yaml"))]:
-        jobconfig.load(path)
-    job = jobconfig.loads(sample("neg:\n        seed: -1").replace("lr: 1e-4", 'lr: "1e-4"')
+        aitoolkit_job.load(path)
+    job = aitoolkit_job.loads(sample("neg:\n        seed: -1").replace("lr: 1e-4", 'lr: "1e-4"')
                           .replace("      training_folder:", "      trigger_word:\n      training_folder:"), "job.yaml")
     assert (job.get("sample.neg"), job.get("trigger_word"), job.get("sample.seed"), job.get("train.lr")) == \
         (None, None, -1, "1e-4")
@@ -699,12 +700,13 @@ def test_a_job_with_thousands_of_prompts_or_processes_is_applied_at_once():
     quadratic in a list's length (1000 prompts: 27 s; issue 35's 9000 prompts and 9900 `process`
     entries stalled a search). The copy shares what the point does not change (copy-on-write):
     the base file and its comments stay as they were."""
-    from fitfinder import jobconfig, space
+    from fitfinder import space
+    from fitfinder.trainers import aitoolkit_job
 
     prompts = "        prompts:\n" + "".join(f'          - "a photo number {i}"  # {i}\n' for i in range(3000))
     processes = "".join(f"    - other{i}\n" for i in range(3000))
     for text in (sample(prompts.strip()), GOOD.replace("\nmeta:", "\n" + processes + "meta:")):
-        job = jobconfig.loads(text, "job.yaml")
+        job = aitoolkit_job.loads(text, "job.yaml")
         built = space.build(job)
         started = time.monotonic()
         lightest, desired = built.apply(job, built.lightest()), built.apply(job, built.desired())
@@ -714,16 +716,16 @@ def test_a_job_with_thousands_of_prompts_or_processes_is_applied_at_once():
             == (1, 4, 4)
     written = lightest.dumps()  # the last job: its 3000 other processes kept, comments too
     assert written.count("    - other") == 3000 and "(buckets; the largest is the memory peak)" in written
-    assert job.dumps() == jobconfig.loads(text, "job.yaml").dumps()  # the base file as it was read
+    assert job.dumps() == aitoolkit_job.loads(text, "job.yaml").dumps()  # the base file as it was read
 
 
 def test_a_copy_never_writes_through_a_plain_mapping_set_from_python():
     """A mapping set from Python (`job.set("train.ema_config", {...})`) is a plain dict, not a
     ruamel node: a copy that changes a key below it changes its own, never the base's (the base
     job's EMA was switched off by one probe's point, and every later probe inherited it)."""
-    from fitfinder import jobconfig
+    from fitfinder.trainers import aitoolkit_job
 
-    job = jobconfig.loads(GOOD, "job.yaml")
+    job = aitoolkit_job.loads(GOOD, "job.yaml")
     job.set("train.ema_config", {"use_ema": True, "ema_decay": 0.99})
     first, second = job.copy(), job.copy()
     first.set("train.ema_config.use_ema", False)

@@ -2,7 +2,8 @@
 
 import pytest
 
-from fitfinder import jobconfig, probe
+from fitfinder import probe
+from fitfinder.trainers import aitoolkit_job
 from fitfinder.errors import ConfigError, UserError
 from tests.conftest import tiny_job
 
@@ -105,5 +106,5 @@ def test_a_full_rank_lokr_has_no_rank_knob_and_other_network_types_are_refused()
         probe.request_for(tiny_job("flux", {"network.type": "locon"}), 1, "sim", None)
     assert "wraps UNet blocks only" in str(refused.value) and "\n" not in str(refused.value)
     with pytest.raises(ConfigError) as dora:
-        jobconfig.loads(tiny_job("flux", {"network.type": "dora"}).dumps(), "<dora job>")
+        aitoolkit_job.loads(tiny_job("flux", {"network.type": "dora"}).dumps(), "<dora job>")
     assert "network.type: expected one of lora, lokr, locon, lycoris" in str(dora.value)

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from fitfinder import models
+from fitfinder import models, trainers
+from fitfinder.trainers import aitoolkit
 from fitfinder.errors import UserError
 from tests.conftest import DEMO, EXAMPLES, cli_env, supports_line, tiny_job
 
@@ -23,7 +24,7 @@ from tests.conftest import DEMO, EXAMPLES, cli_env, supports_line, tiny_job
     ({"model.arch": "zimage:turbo"}, "zimage"),
 ])
 def test_family_from_model_arch(changes, family):
-    assert models.family_of(tiny_job("flux", changes)) == family
+    assert aitoolkit.family_of(tiny_job("flux", changes)) == family
 
 
 @pytest.mark.parametrize("model, family", [
@@ -47,14 +48,14 @@ def test_family_from_model_arch(changes, family):
 def test_family_from_flags_or_name(model, family):
     job = tiny_job("flux")
     job.process["model"] = model
-    assert models.family_of(job) == family
+    assert aitoolkit.family_of(job) == family
 
 
 def test_an_unknown_model_is_one_line_listing_the_families_without_a_relabelling_hint():
     job = tiny_job("flux")
     job.process["model"] = {"name_or_path": "/models/something"}
     with pytest.raises(UserError) as raised:
-        models.family_of(job)
+        aitoolkit.family_of(job)
     assert str(raised.value) == (
         "<tiny flux job>: config.process[0].model: fitfinder does not support the model /models/something "
         "(neither model.arch, an is_* flag nor its name says which it is); " + supports_line())
@@ -70,7 +71,7 @@ def test_a_model_fitfinder_knows_but_cannot_probe_yet_is_named_with_its_family(m
     job = tiny_job("flux")
     job.process["model"] = model
     with pytest.raises(UserError) as raised:
-        models.family_of(job)
+        aitoolkit.family_of(job)
     assert str(raised.value) == (f"<tiny flux job>: config.process[0].model: fitfinder knows {told}; "
                                  + supports_line())
 
@@ -84,7 +85,7 @@ def test_a_model_fitfinder_knows_but_cannot_probe_yet_is_named_with_its_family(m
 def test_flux_1_variants_resolve_to_the_flux_family(model, family):
     job = tiny_job("flux")
     job.process["model"] = model
-    assert models.family_of(job) == family
+    assert aitoolkit.family_of(job) == family
 
 
 @pytest.mark.parametrize("model, family", [
@@ -99,7 +100,7 @@ def test_flux_1_variants_resolve_to_the_flux_family(model, family):
 def test_flux_derived_models_resolve_to_their_own_families(model, family):
     job = tiny_job("flux")
     job.process["model"] = model
-    assert models.family_of(job) == family
+    assert aitoolkit.family_of(job) == family
 
 
 @pytest.mark.parametrize("model", [{"arch": "hidream"}, {"name_or_path": "HiDream-ai/HiDream-I1-Full"},
@@ -107,7 +108,7 @@ def test_flux_derived_models_resolve_to_their_own_families(model, family):
 def test_hidream_resolves_by_arch_shipped_name_and_name_hint(model):
     job = tiny_job("flux")
     job.process["model"] = model
-    assert models.family_of(job) == "hidream"
+    assert aitoolkit.family_of(job) == "hidream"
 
 
 @pytest.mark.parametrize("model", [{"arch": "hidream_e1"}, {"name_or_path": "HiDream-ai/HiDream-E1-1"},
@@ -116,7 +117,7 @@ def test_hidream_resolves_by_arch_shipped_name_and_name_hint(model):
 def test_hidream_e1_resolves_by_arch_shipped_name_and_name_hint_not_as_hidream_i1(model):
     job = tiny_job("flux")
     job.process["model"] = model
-    assert models.family_of(job) == "hidream_e1"
+    assert aitoolkit.family_of(job) == "hidream_e1"
 
 
 @pytest.mark.parametrize("model, family", [
@@ -129,7 +130,7 @@ def test_hidream_e1_resolves_by_arch_shipped_name_and_name_hint_not_as_hidream_i
 def test_flux2_and_klein_resolve_to_their_families(model, family):
     job = tiny_job("flux")
     job.process["model"] = model
-    assert models.family_of(job) == family
+    assert aitoolkit.family_of(job) == family
 
 
 @pytest.mark.parametrize("model, family", [
@@ -142,25 +143,25 @@ def test_flux2_and_klein_resolve_to_their_families(model, family):
 def test_qwen_image_and_its_edit_models_resolve_to_their_families(model, family):
     job = tiny_job("flux")
     job.process["model"] = model
-    assert models.family_of(job) == family
+    assert aitoolkit.family_of(job) == family
 
 
 def test_an_unknown_arch_is_reported_by_the_job_file_without_a_relabelling_hint():
-    from fitfinder import jobconfig
+    from fitfinder.trainers import aitoolkit_job
     from fitfinder.errors import ConfigError
 
     with pytest.raises(ConfigError) as raised:
-        jobconfig.loads(tiny_job("flux", {"model.arch": "not_a_model"}).dumps())
+        aitoolkit_job.loads(tiny_job("flux", {"model.arch": "not_a_model"}).dumps())
     assert raised.value.problems == ["config.process[0].model.arch: fitfinder does not support the model "
                                      "'not_a_model'; " + supports_line()]
 
 
 def test_the_wan22_reference_job_resolves_to_its_family_and_arch():
-    from fitfinder import jobconfig
+    from fitfinder.trainers import aitoolkit_job
 
-    job = jobconfig.load(EXAMPLES / "train_lora_wan22_14b_24gb.yaml")
-    assert models.family_of(job) == "wan22"
-    stem, arch = models.shipped_arch(job)
+    job = aitoolkit_job.load(EXAMPLES / "train_lora_wan22_14b_24gb.yaml")
+    assert aitoolkit.family_of(job) == "wan22"
+    stem, arch = aitoolkit.shipped_arch(job)
     assert stem == "wan22-14b" and arch["boundary_ratio"] == 0.875
     assert arch["parts"]["transformer"]["num_layers"] == arch["parts"]["transformer_2"]["num_layers"] == 40
 
@@ -209,8 +210,9 @@ def test_a_folder_that_is_not_a_pipeline_says_what_is_missing(tmp_path):
 
 
 def test_reading_archs_and_building_a_request_needs_no_torch():
-    code = ("import sys, json; from fitfinder import jobconfig, models, probe; models.known_archs(); "
-            f"request = probe.request_for(jobconfig.load({str(DEMO)!r}), 20, 'sim', 2**30); "
+    code = ("import sys, json; from fitfinder import models, probe; from fitfinder.trainers import aitoolkit_job; "
+            "models.known_archs(); "
+            f"request = probe.request_for(aitoolkit_job.load({str(DEMO)!r}), 20, 'sim', 2**30); "
             "print(json.dumps([request['model']['family'], 'torch' in sys.modules]))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), timeout=60)
     assert done.returncode == 0, done.stderr
@@ -226,14 +228,14 @@ def test_a_lora_on_animas_text_conditioner_is_refused_not_estimated_short():
 
 
 def test_a_blank_qtype_as_the_ui_writes_for_anima_is_accepted_only_while_unused():
-    from fitfinder import jobconfig
+    from fitfinder.trainers import aitoolkit_job
     from fitfinder.errors import ConfigError
 
     blank = {"model.quantize": False, "model.quantize_te": False, "model.qtype": "", "model.qtype_te": ""}
-    job = jobconfig.loads(tiny_job("anima", blank).dumps())
+    job = aitoolkit_job.loads(tiny_job("anima", blank).dumps())
     assert (job.quantize, job.quantize_te) == (False, False)
     with pytest.raises(ConfigError) as raised:
-        jobconfig.loads(tiny_job("anima", {**blank, "model.quantize_te": True}).dumps())
+        aitoolkit_job.loads(tiny_job("anima", {**blank, "model.quantize_te": True}).dumps())
     assert [problem.split(":")[0] for problem in raised.value.problems] == [
         "config.process[0].model.qtype", "config.process[0].model.qtype_te"]
 
@@ -244,7 +246,7 @@ def test_missing_weights_name_hf_download_and_say_when_the_model_is_gated(tmp_pa
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     with pytest.raises(UserError) as raised:
-        models._local_weights(name, "job.yaml")
+        models.local_weights(name, "job.yaml")
     told = str(raised.value)
     assert f"download it first (`hf download {name}`" in told and "huggingface-cli" not in told
     assert ("it is gated: accept its terms on https://huggingface.co/" in told) is gated
@@ -252,28 +254,29 @@ def test_missing_weights_name_hf_download_and_say_when_the_model_is_gated(tmp_pa
 
 
 def test_full_size_models_are_told_from_the_tiny_ones(tmp_path):
-    from fitfinder import jobconfig
+    from fitfinder.trainers import aitoolkit_job
 
-    assert models.full_size(jobconfig.load(EXAMPLES / "train_lora_flux_24gb.yaml")) == (
+    assert trainers.full_size(aitoolkit_job.load(EXAMPLES / "train_lora_flux_24gb.yaml")) == (
         "black-forest-labs/FLUX.1-dev (flux-dev, flux)")
-    assert models.full_size(jobconfig.load(DEMO)) is None  # flux-tiny
+    assert trainers.full_size(aitoolkit_job.load(DEMO)) is None  # flux-tiny
     folder = tmp_path / "sdxl"  # a local folder: by the weights it holds
     (folder / "unet").mkdir(parents=True)
     with open(folder / "unet" / "diffusion_pytorch_model.safetensors", "wb") as weights:
         weights.truncate(models.SIM_WEIGHTS_LIMIT + 1)  # sparse: no disk used
     job = tiny_job("sdxl", {"model.name_or_path": str(folder)}, weights="pretrained")
-    assert models.full_size(job) == f"{folder} (1 GiB of weights)"
+    assert trainers.full_size(job) == f"{folder} (1 GiB of weights)"
     weights_file = folder / "unet" / "diffusion_pytorch_model.safetensors"
     weights_file.write_bytes(b"0" * 1000)
-    assert models.full_size(job) is None
+    assert trainers.full_size(job) is None
 
 
 def test_the_load_note_names_the_parts_ai_toolkits_loader_quantizes_on_the_card():
-    from fitfinder import jobconfig, space as spaces
+    from fitfinder import space as spaces
+    from fitfinder.trainers import aitoolkit_job
     from fitfinder.probe import estimate
     from fitfinder.probe.overhead import GpuOverhead
 
-    job = jobconfig.load(EXAMPLES / "train_lora_flux_24gb.yaml")
+    job = aitoolkit_job.load(EXAMPLES / "train_lora_flux_24gb.yaml")
     space = spaces.build(job)
     lightest = estimate.request_for(space.apply(job, space.lightest()), GpuOverhead())
     # low_vram quantizes the transformer in host memory; T5 still comes in bf16 to be quantized on the card
@@ -282,4 +285,4 @@ def test_the_load_note_names_the_parts_ai_toolkits_loader_quantizes_on_the_card(
     as_written = estimate.request_for(job, GpuOverhead())
     assert models.load_note(as_written).startswith("transformer (FluxTransformer2DModel) and text_encoder_2 "
                                                    "(T5EncoderModel) come onto the card whole in bf16")
-    assert models.load_note(estimate.request_for(jobconfig.load(DEMO), GpuOverhead())) == ""  # nothing quantized
+    assert models.load_note(estimate.request_for(aitoolkit_job.load(DEMO), GpuOverhead())) == ""  # nothing quantized

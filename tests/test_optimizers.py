@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from fitfinder import jobconfig, optimizers, probe, space as spaces
+from fitfinder import optimizers, probe, space as spaces
+from fitfinder.trainers import aitoolkit_job
 from fitfinder.probe import estimate
 from fitfinder.errors import ConfigError
 from fitfinder.probe.overhead import GpuOverhead
@@ -27,12 +28,12 @@ def _state(name: str, **optimizer_params) -> dict:
 
 
 def test_every_name_ai_toolkit_accepts_is_read_and_others_are_refused():
-    assert [jobconfig.optimizer_name(n) for n in ("AdamW", "adam", "AdamW8bit", "adam8bit", "Lion", "lion8bit",
+    assert [aitoolkit_job.optimizer_name(n) for n in ("AdamW", "adam", "AdamW8bit", "adam8bit", "Lion", "lion8bit",
                                                   "Adafactor", "prodigy", "Prodigy", "prodigyopt")] == \
         ["adamw", "adam", "adamw8bit", "adam8bit", "lion", "lion8bit", "adafactor", "prodigy", "prodigy", "prodigy"]
-    assert jobconfig.optimizer_name("prodigy8bit") is None and jobconfig.optimizer_name("sgd") is None
+    assert aitoolkit_job.optimizer_name("prodigy8bit") is None and aitoolkit_job.optimizer_name("sgd") is None
     with pytest.raises(ConfigError) as refused:
-        jobconfig.loads(tiny_job("flux").dumps().replace("optimizer: adamw", "optimizer: sgd"), "<job>")
+        aitoolkit_job.loads(tiny_job("flux").dumps().replace("optimizer: adamw", "optimizer: sgd"), "<job>")
     message = str(refused.value)
     assert ("train.optimizer: expected one of adafactor, adam, adamw, adam8bit, adamw8bit, lion, lion8bit, prodigy"
             in message)

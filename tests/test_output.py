@@ -4,7 +4,8 @@ import io
 import json
 import re
 
-from fitfinder import jobconfig, space as spaces
+from fitfinder import space as spaces
+from fitfinder.trainers import aitoolkit_job
 from fitfinder.results.output import Output
 from fitfinder.search import Knowledge, Result
 from tests.conftest import DEMO
@@ -14,7 +15,7 @@ LIMIT = int(BUDGET * 0.95)
 
 
 def _results():
-    space = spaces.build(jobconfig.load(DEMO))
+    space = spaces.build(aitoolkit_job.load(DEMO))
     known = Knowledge(space, LIMIT)
     oom = known.add(Result(trial=0, point=space.desired(), status="oom", peak_bytes=6_488_384, phase="train",
                            error="OutOfMemoryError: CUDA out of memory (simulated)"))

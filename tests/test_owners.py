@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from fitfinder import jobconfig, models, probe
+from fitfinder import models, probe
+from fitfinder.trainers import aitoolkit_job
 from fitfinder.probe import estimate
 from fitfinder.probe.overhead import GpuOverhead
 from tests.conftest import DEMO, run_cli, tiny_job
@@ -16,7 +17,7 @@ GPU_OWNERS = {"allocator rounding", "cuBLAS workspace", "fragmentation", "CUDA c
 @pytest.fixture(scope="module")
 def demo_sim():
     """The demo probed on the sim meter, no budget: every phase's peak and owners."""
-    result = probe.ProbeRunner(300).run(probe.request_for(jobconfig.load(DEMO), 4, "sim", None))
+    result = probe.ProbeRunner(300).run(probe.request_for(aitoolkit_job.load(DEMO), 4, "sim", None))
     assert result["status"] == "ok", result.get("error")
     return result
 
@@ -24,7 +25,7 @@ def demo_sim():
 @pytest.fixture(scope="module")
 def demo_estimate():
     """The demo estimated with the default GPU overhead: what `fitfinder estimate` shows."""
-    return estimate.run(jobconfig.load(DEMO), estimate.InProcess(600), GpuOverhead())
+    return estimate.run(aitoolkit_job.load(DEMO), estimate.InProcess(600), GpuOverhead())
 
 
 def test_the_owners_at_each_phase_sum_to_its_peak_on_both_meters(demo_sim, demo_estimate):
@@ -44,7 +45,7 @@ def test_activations_hold_the_training_step_and_the_transformer_the_load(demo_si
 
     assert largest("train") == "activations" and largest("load") == "weights:transformer"
     # the estimate without a card's overhead is the sim meter's split, owner by owner
-    found = estimate.run(jobconfig.load(DEMO), estimate.InProcess(600), GpuOverhead.none())
+    found = estimate.run(aitoolkit_job.load(DEMO), estimate.InProcess(600), GpuOverhead.none())
     for phase in ("load", "train"):
         assert found.owners_at(phase) == demo_sim["phase_stats"][phase]["owners"], phase
 
@@ -52,7 +53,7 @@ def test_activations_hold_the_training_step_and_the_transformer_the_load(demo_si
 def test_the_loras_bytes_are_its_parameters_bytes(demo_sim):
     from fitfinder.probe import meters
 
-    request = probe.request_for(jobconfig.load(DEMO), 1, "sim", None)
+    request = probe.request_for(aitoolkit_job.load(DEMO), 1, "sim", None)
     pipe = models.load_pipeline(request["model"], request, meters.SimMeter(None))
     lora = sum(p.numel() * p.element_size() for p in pipe.trainable_parameters(pipe.family.denoisers))
     assert lora > 0

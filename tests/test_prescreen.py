@@ -5,7 +5,8 @@ import json
 import optuna
 import pytest
 
-from fitfinder import jobconfig, probe, space as spaces
+from fitfinder import probe, space as spaces
+from fitfinder.trainers import aitoolkit_job
 from fitfinder.probe import estimate
 from fitfinder.search import estimated, study as studies
 from fitfinder.probe.overhead import GpuOverhead
@@ -28,7 +29,7 @@ class Replay:
 @pytest.fixture(scope="module")
 def demo_estimate():
     """The demo's desired point, estimated once (tensor bytes, as the sim meter counts them)."""
-    job = jobconfig.load(DEMO)
+    job = aitoolkit_job.load(DEMO)
     request = probe.request_for(job, 20, "sim", job.settings.vram_bytes)
     result = probe.ProbeRunner(300).run(estimate.as_estimate(request, GpuOverhead.none()))
     assert result["status"] == "ok", result.get("error")
@@ -79,7 +80,7 @@ def test_a_prescreened_search_records_estimates_that_resume_reads_back(workdir):
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout)
     assert summary["status"] == "fit" and summary["proven"]
-    job = jobconfig.load(workdir / "configs" / "demo.yaml")
+    job = aitoolkit_job.load(workdir / "configs" / "demo.yaml")
     space = spaces.build(job)
     url = studies.storage_url("demo_flux_lora", workdir / "studies", None)
     study = optuna.load_study(study_name="demo_flux_lora", storage=url)

@@ -6,14 +6,15 @@ import sys
 
 import pytest
 
-from fitfinder import jobconfig, probe
+from fitfinder import probe
+from fitfinder.trainers import aitoolkit_job
 from tests.conftest import DEMO, cli_env
 
 MiB = 2**20
 
 
 def _request(budget=None, steps=4, **changes):
-    job = jobconfig.load(DEMO)
+    job = aitoolkit_job.load(DEMO)
     for path, value in changes.items():
         job.set(path.replace("__", "."), value)
     return probe.request_for(job, steps, "sim", budget)

@@ -2,7 +2,8 @@
 
 import pytest
 
-from fitfinder import jobconfig, probe
+from fitfinder import probe
+from fitfinder.trainers import aitoolkit_job
 from fitfinder.errors import ConfigError, UserError
 from tests.conftest import EXAMPLES, tiny_job
 
@@ -11,7 +12,7 @@ GC_B1 = {"train.gradient_checkpointing": True, "train.batch_size": 1}
 
 # -- the request: what the probe is told, from the job file ----------------------------------------
 def _reference(name: str):
-    job = jobconfig.load(EXAMPLES / name)
+    job = aitoolkit_job.load(EXAMPLES / name)
     job.settings.weights = "random"  # the shipped architecture: nothing to download
     return job
 
@@ -69,7 +70,7 @@ def test_quantization_of_base_and_text_encoder(changes, expected):
 def test_unknown_qtype_optimizer_and_arch_are_reported_by_key():
     job = tiny_job("flux", {"train.optimizer": "sgd", "model.qtype": "int2", "model.arch": "omnigen2"})
     with pytest.raises(ConfigError) as raised:
-        jobconfig.loads(job.dumps())
+        aitoolkit_job.loads(job.dumps())
     problems = raised.value.problems
     assert any(p.startswith("config.process[0].train.optimizer: expected one of adafactor, adam, adamw")
                for p in problems)

@@ -13,7 +13,8 @@ import shutil
 import optuna
 import pytest
 
-from fitfinder import jobconfig, space as spaces
+from fitfinder import space as spaces
+from fitfinder.trainers import aitoolkit_job
 from fitfinder.search import probe_objective
 from fitfinder.search.sampler import FitSampler
 from tests.conftest import DEMO, run_cli
@@ -23,7 +24,7 @@ NAME = "demo_flux_lora"
 
 
 def _demo(folder):
-    job = jobconfig.load(folder / "configs" / "demo.yaml")
+    job = aitoolkit_job.load(folder / "configs" / "demo.yaml")
     return job, spaces.build(job), int(job.settings.vram_bytes * (1 - job.settings.margin))
 
 
@@ -56,7 +57,7 @@ def test_ask_shows_a_trial_before_its_point_so_workers_claim_instead(tmp_path):
     """While Optuna samples, the new trial is already in the storage, RUNNING and without a point:
     a second worker reading then would plan that point again, and neither trial would look like
     the other's duplicate. study.claim writes the trial with its point in one transaction."""
-    job = jobconfig.load(DEMO)
+    job = aitoolkit_job.load(DEMO)
     space = spaces.build(job)
     seen = []
 

@@ -137,12 +137,13 @@ def test_a_killed_worker_is_replaced_and_its_trial_retried(workdir, demo_run):
 def test_a_study_whose_budget_is_the_card_refuses_a_card_of_another_size(tmp_path):
     """Each trial records its card; a worker on a card of another size is refused, with the way
     out (--vram: one budget for all). The cards here are NVML readings written as they would be."""
-    from fitfinder import jobconfig, space as spaces
+    from fitfinder import space as spaces
+    from fitfinder.trainers import aitoolkit_job
     from fitfinder.search import study as studies, worker
     from fitfinder.errors import UserError
     from tests.conftest import DEMO
 
-    job = jobconfig.load(DEMO)
+    job = aitoolkit_job.load(DEMO)
     space = spaces.build(job)
     url = f"sqlite:///{tmp_path / 'cards.db'}"
     study = studies.open_study(url, "cards", space, {"budget_bytes": 24 * 2**30, "budget_is_card": True})

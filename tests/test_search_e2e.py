@@ -9,7 +9,8 @@ import sys
 import optuna
 import pytest
 
-from fitfinder import jobconfig, probe, space as spaces
+from fitfinder import probe, space as spaces
+from fitfinder.trainers import aitoolkit_job
 from tests.conftest import DEMO, cli_env, run_cli
 
 pytestmark = pytest.mark.slow
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 def _exhaustive_optimum(job_path):
     """Probe every point of the demo's space through the same probe code; return the true optimum."""
-    job = jobconfig.load(job_path)
+    job = aitoolkit_job.load(job_path)
     space = spaces.build(job)
     limit = job.settings.vram_bytes * (1 - job.settings.margin)
     runner = probe.ProbeRunner(timeout_s=300)
@@ -49,7 +50,7 @@ def test_demo_winner_is_the_true_optimum(workdir):
     assert summary["peak_bytes"] == fastest[1]["peak_bytes"]  # the sim meter is exact
     assert summary["probes_run"] < space.size() / 4
 
-    best = jobconfig.load(workdir / "results" / "demo_flux_lora" / "best.yaml")
+    best = aitoolkit_job.load(workdir / "results" / "demo_flux_lora" / "best.yaml")
     assert best.get("network.linear") == fastest[0]["rank"]
     assert best.get("train.batch_size") * best.accumulation == 4  # effective batch kept
     header = (workdir / "results" / "demo_flux_lora" / "best.yaml").read_text().split("---")[0]

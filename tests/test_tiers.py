@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from fitfinder import jobconfig
+from fitfinder.trainers import aitoolkit_job
 from fitfinder.probe import estimate
 from fitfinder.results import report
 from fitfinder.search import tiers
@@ -48,7 +48,7 @@ def test_tiers_json_and_one_job_file_per_tier(demo_tiers):
     assert small["peak_bytes"] <= small["limit_bytes"] == int(small["budget_bytes"] * 0.95)
     assert large["changed"] == [] and large["point"]["rank"] == 32 and large["given_up"] == []
     assert found["estimates"] + found["recalled"] >= found["estimates"] > 0
-    written = jobconfig.load(where / "results/demo_flux_lora/tiers/0.012gib.yaml")
+    written = aitoolkit_job.load(where / "results/demo_flux_lora/tiers/0.012gib.yaml")
     assert written.get("network.linear") == 8 and written.get("train.gradient_checkpointing") is True
     assert written.get("train.batch_size") == 1 and written.get("train.gradient_accumulation_steps") == 4
     text = (where / "results/demo_flux_lora/tiers/0.012gib.yaml").read_text()
@@ -92,7 +92,7 @@ class _ByRequest:
 
 
 def test_a_point_whose_every_phase_is_known_is_recalled_not_estimated():
-    job = jobconfig.load(DEMO)
+    job = aitoolkit_job.load(DEMO)
     runner = _ByRequest()
     estimator = estimate.Estimator(job, runner, GpuOverhead.none())
     base = estimator.space.desired()
@@ -113,7 +113,7 @@ GiB = 2**30
 
 
 def test_nothing_fits_names_the_wall_and_the_smallest_card_that_takes_it():
-    job = jobconfig.load(DEMO)
+    job = aitoolkit_job.load(DEMO)
     estimator = estimate.Estimator(job, _ByRequest(), GpuOverhead.none())
     cards = (256 / GiB, 400 / GiB, 2000 / GiB)  # bytes, as GiB: the stand-in's peaks are a few hundred bytes
     found = tiers.nothing_fits(job, estimator.runner, GpuOverhead.none(), estimator, 200, cards=cards)
@@ -129,7 +129,7 @@ def test_nothing_fits_names_the_wall_and_the_smallest_card_that_takes_it():
 
 
 def test_a_wall_in_the_load_says_what_ai_toolkits_loader_holds_there():
-    job = jobconfig.load(EXAMPLES / "train_lora_flux_24gb.yaml")
+    job = aitoolkit_job.load(EXAMPLES / "train_lora_flux_24gb.yaml")
     estimator = estimate.Estimator(job, _ByRequest(), GpuOverhead.none())
     wall = tiers.wall_of(job, GpuOverhead.none(), estimator, 95)  # the lightest point loads at 100 + rank 4
     assert (wall.phase, wall.peak_bytes) == ("load", 104)

@@ -19,7 +19,8 @@ from pathlib import Path
 import optuna
 import pytest
 
-from fitfinder import jobconfig, probe, search, space as spaces
+from fitfinder import probe, search, space as spaces
+from fitfinder.trainers import aitoolkit_job
 from fitfinder.probe import dialects, estimate, trainer
 from fitfinder.search import estimated as estimates
 from fitfinder.units import parse_budget
@@ -130,7 +131,7 @@ def test_a_search_through_the_trainer_finds_and_confirms_a_winner(searched):
         assert trial.user_attrs["trainer_run"]["phases_from"] == "log"
         assert trial.user_attrs["trainer_run"]["command"][-1] == "{job}"
     assert set(confirmed[-1].user_attrs["phases"]) == {"load", "latents", "sample", "train", "last_sample"}
-    best = jobconfig.load(searched["work"] / "results" / "trainer_probe" / "best.yaml")
+    best = aitoolkit_job.load(searched["work"] / "results" / "trainer_probe" / "best.yaml")
     assert best.get("train.gradient_checkpointing") is summary["best"]["gradient_checkpointing"]
 
 
@@ -140,7 +141,7 @@ def test_an_oom_the_trainer_caught_still_counts_and_the_builtin_probe_runs_out_t
     assert attrs["purpose"] == "base" and attrs["status"] == "oom" and attrs["phase"] == "train"
     assert attrs["trainer_run"]["exit_code"] == 0  # it skipped the batches that ran out and finished
     assert "caught by it" in attrs["error"] and "out-of-memory" in attrs["error"]
-    job = jobconfig.load(searched["job"])
+    job = aitoolkit_job.load(searched["job"])
     point_job = spaces.build(job).apply(job, attrs["point"])
     builtin = probe.ProbeRunner(300).run(probe.request_for(point_job, 3, "sim", parse_budget(BUDGET, "--vram")))
     assert builtin["status"] == "oom" and builtin["phase"] == attrs["phase"]
@@ -174,7 +175,7 @@ def test_each_probe_keeps_its_estimate_and_calibrate_fits_them(searched):
     assert fit["card"] == "cpu (sim meter)" and fit["dialect"] == "aitoolkit" and fit["pairs"] >= 8
     assert 0 < fit["band"] < 0.9 and Path(fit["file"]).is_file()
     # The estimate-guided search of this trainer here starts from that spread.
-    job = jobconfig.load(searched["job"])
+    job = aitoolkit_job.load(searched["job"])
     job.settings.trainer_command = f"{sys.executable} {STAND_IN} {{job}}"
     job.settings.vram_bytes = parse_budget(BUDGET, "--vram")
     guide = estimates.guide_for(True, job, "sim")
@@ -185,7 +186,7 @@ def test_each_probe_keeps_its_estimate_and_calibrate_fits_them(searched):
 @pytest.fixture(scope="module")
 def failing(project):
     """A trainer probe of the project's job with any command (no estimate is made for a failure)."""
-    job = jobconfig.load(project["job"])
+    job = aitoolkit_job.load(project["job"])
 
     def run(code: str, timeout: float = 60.0, log: Path | None = None, **env):
         job.settings.trainer_command = f"{shlex.quote(sys.executable)} -c {shlex.quote(code)} {{job}}"
@@ -261,11 +262,11 @@ def test_a_trainer_cannot_load_random_weights(project, tmp_path):
 
 # -- the parts ------------------------------------------------------------------------------------
 def test_the_ai_toolkit_job_is_the_point_for_a_probe_written_inside_its_folder(project, tmp_path):
-    job = jobconfig.load(project["job"])
+    job = aitoolkit_job.load(project["job"])
     job.settings.trainer_command = "python run.py {job}"
     request = probe.request_for(job, 5, "sim", None)
     path = dialects.DIALECTS["aitoolkit"].write(request["trainer_job"], tmp_path, request)
-    written = jobconfig.load(path)
+    written = aitoolkit_job.load(path)
     assert written.get("train.steps") == 5 and written.get("save.save_every") == 6
     assert written.get("sample.sample_every") == 6 and written.get("sample.sample_steps") == 2
     assert written.get("training_folder") == str(tmp_path / "output")

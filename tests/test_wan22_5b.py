@@ -1,12 +1,13 @@
 """Wan 2.2 TI2V 5B: the frames knob walks its own VAE's ladder (clips the Wan 2.2 VAE encodes whole)."""
 
-from fitfinder import jobconfig, models
+from fitfinder import models
+from fitfinder.trainers import aitoolkit_job
 from fitfinder import space as spaces
 from tests.conftest import EXAMPLES
 
 
 def test_the_frames_knobs_of_a_wan22_5b_job_walk_the_wan22_vae_ladder():
-    job = jobconfig.load(EXAMPLES / "ui_wan22_5b.yaml")  # previews of 121 frames, AI Toolkit's UI default
+    job = aitoolkit_job.load(EXAMPLES / "ui_wan22_5b.yaml")  # previews of 121 frames, AI Toolkit's UI default
     job.set("datasets[0].num_frames", 121)
     knobs = {knob.name: knob for knob in spaces.build(job).knobs}
     assert knobs["frames"].candidates == (1, 5, 13, 29, 61, 121)

@@ -76,7 +76,7 @@ def _friendly(command):
         except (UserError, RunFailed) as exc:
             if os.environ.get("FITFINDER_DEBUG"):
                 raise
-            from fitfinder.jobconfig import one_line  # a message quoting user text stays one line
+            from fitfinder.errors import one_line  # a message quoting user text stays one line
 
             print(f"fitfinder: {'error: ' if isinstance(exc, UserError) else ''}{one_line(exc, 4000)}", file=sys.stderr)
             raise typer.Exit(exc.exit_code)
@@ -706,8 +706,7 @@ def export(
     json_output: bool = JsonOpt,
 ) -> None:
     """Write the winner (results/NAME/best.yaml) for another trainer, and say what has no equivalent."""
-    from fitfinder import jobconfig
-    from fitfinder.trainers import aitoolkit_to_kohya as kohya
+    from fitfinder.trainers import aitoolkit_job, aitoolkit_to_kohya as kohya
     from fitfinder.results.output import Output
 
     out = Output(json_output)
@@ -720,7 +719,7 @@ def export(
         raise UserError(f"{best}: no such file; no search of {name!r} has found a fit here"
                         + (f" (winners in {results_dir}/: {', '.join(known)})" if known else
                            "; run `fitfinder search JOB.yaml` first"))
-    done = kohya.write(jobconfig.load(best), results_dir / name)
+    done = kohya.write(aitoolkit_job.load(best), results_dir / name)
     out.result({"format": fmt, "trainer": done.trainer.repo, "script": done.trainer.script,
                 "files": [str(f) for f in done.files], "settings": [vars(r) for r in done.rows]})
     out.table(["AI Toolkit setting", "value", "kohya", "match"],
@@ -760,7 +759,7 @@ def dashboard(
 
 # -- shared option handling -----------------------------------------------------------------------
 def _short(value) -> str:
-    from fitfinder.jobconfig import one_line
+    from fitfinder.errors import one_line
 
     return one_line(value, 40)
 
@@ -866,9 +865,9 @@ def _meter(gpu: Optional[str], job, out, need_budget: bool = True) -> tuple[str,
 
 def _refuse_full_size_on_the_cpu(job, force_option: bool = True) -> None:
     """The sim meter trains for real on the CPU: a full-size model is predicted there, not probed."""
-    from fitfinder import models
+    from fitfinder import trainers
 
-    model = models.full_size(job)
+    model = trainers.full_size(job)
     if model is not None:
         source = job.source
         raise UserError(f"{source}: {model} is a full-size model; the sim meter (no --gpu) would train it for real "
@@ -924,7 +923,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     except click.UsageError as exc:
         if os.environ.get("FITFINDER_DEBUG"):
             raise
-        from fitfinder.jobconfig import one_line
+        from fitfinder.errors import one_line
 
         where = f"; see `{exc.ctx.command_path} --help`" if exc.ctx else ""
         print(f"fitfinder: error: {one_line(exc.format_message(), 300).rstrip('.')}{where}", file=sys.stderr)

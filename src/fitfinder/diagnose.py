@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from fitfinder import oom, trainers
 from fitfinder.errors import UserError
-from fitfinder.jobconfig import JobFile
+from fitfinder.trainers.aitoolkit_job import JobFile
 from fitfinder.units import format_bytes
 
 # What the guides call a conservative configuration (their "Fix C": keep 512/768 while checking).

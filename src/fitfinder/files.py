@@ -11,14 +11,15 @@ make it read without end, wait forever, or write somewhere else (issue 35).
 - `same_file`: whether two paths name one file, by path or by inode (the input job file must be
   none of the outputs).
 
-Nothing here writes; results are written by jobconfig.write_atomic, whose rename replaces a link
-planted at the name instead of following it.
+- `write_atomic`: every output (best.yaml, a report, a tier's job), written through a temporary file
+  renamed into place, whose rename replaces a link planted at the name instead of following it.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 from fitfinder.errors import UserError
@@ -134,3 +135,40 @@ def _errno_name(exc: OSError) -> str:
 
 def _size(limit: int) -> str:
     return f"{limit >> 20} MiB" if limit >= 1 << 20 and limit % (1 << 20) == 0 else f"{limit} bytes"
+
+
+def write_atomic(path: str | Path, text: str, mode: int = 0o666) -> None:
+    """Write through a temporary file in the same folder and rename it into place, with the mode
+    `open` would give (`mode` less the umask: mkstemp's own 0600 would hide results from others).
+    A folder or disk that refuses the write is one UserError naming the file and the reason."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    except OSError as exc:
+        raise UserError(f"{path}: cannot write it ({reason(exc)}); give another output folder") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.chmod(tmp, mode & ~_umask())
+        os.replace(tmp, path)
+    except OSError as exc:  # a full disk, a folder in the way of the file
+        Path(tmp).unlink(missing_ok=True)
+        raise UserError(f"{path}: cannot write it ({reason(exc)})") from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux says it (threads may be writing)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 def build(name: str, params: list, lr: float, optimizer_params: dict | None = None,
           zero_params: list | None = None) -> torch.optim.Optimizer:
-    """`name` as `jobconfig.optimizer_name` gives it; the arguments AI Toolkit would pass.
+    """`name` as `trainers.aitoolkit_job.optimizer_name` gives it; the arguments AI Toolkit would pass.
     `zero_params`: parameters that start at zero (a LoRA's B), which Prodigy keeps no p0 of."""
     extra = dict(optimizer_params or {})
     if name in ("adam8bit", "adamw8bit", "lion8bit"):

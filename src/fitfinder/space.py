@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from fitfinder import trainers
-from fitfinder.jobconfig import JobFile
+from fitfinder.trainers.aitoolkit_job import JobFile
 from fitfinder.trainers._knob import PHASES
 
 Point = dict[str, Any]  # knob name -> one of its candidates (a JSON scalar)

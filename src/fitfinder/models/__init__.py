@@ -2,7 +2,9 @@
 
 Each family is one public module of this package (`flux.py`, `sdxl.py`, `wan22_5b.py`, ...): its declaration
 `FAMILY` (models/_family.py; no torch) and its `Recipe` (what it computes; probe children only).
-The registry below finds them; this module resolves a job's model to one as AI Toolkit does.
+The registry below finds them, and answers by name: an `arch` value, a model's name, a shipped
+architecture, a local folder or the Hugging Face cache (a trainer reads its own job's keys:
+trainers/aitoolkit.py `family_of`, `model_spec`).
 
 A family is the set of parts of a diffusers pipeline that a LoRA training holds in memory: the
 denoiser(s), the text encoder(s) and the VAE, by their diffusers folder names. A job's model
@@ -37,7 +39,6 @@ from typing import Any
 from fitfinder import files
 from fitfinder.errors import UserError
 from fitfinder.models._family import Family
-from fitfinder.units import format_bytes
 
 ARCH_DIR = Path(__file__).resolve().parent.parent / "archs"
 
@@ -95,131 +96,31 @@ def known_archs() -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in sorted(ARCH_DIR.glob("*.json"))}
 
 
-def family_of(job) -> str:
-    """The family from `model.arch`, AI Toolkit's flags, or the model name; only a family fitfinder probes.
-
-    A model AI Toolkit trains whose family module does not exist yet is refused by name, and an
-    unknown one as unsupported: relabelling a model as another family would probe the wrong network.
-    """
-    arch = str(job.get("model.arch", None) or "").strip().lower()
-    name = str(job.get("model.name_or_path", None) or "")
-    if arch:
-        family = ARCH_VALUES.get(arch.split(":")[0])
-        return _probeable(job, family, f"model.arch {arch!r}")
-    for flag, family in FLAGS.items():
-        if job.get(f"model.{flag}", None) is True:
-            return _probeable(job, family, f"model.{flag}")
-    shipped = _shipped_by_name(name)
-    if shipped is not None:
-        return _probeable(job, shipped[1]["family"], f"{name} ({shipped[0]})")
-    guessed = _family_from_name(name.lower())
-    if guessed is not None:
-        return _probeable(job, guessed, name)
-    return _probeable(job, None, f"the model {name or '-'} (neither model.arch, an is_* flag nor its name "
-                                 "says which it is)")
+def family_by_arch(arch: str) -> str | None:
+    """The family of an AI Toolkit `model.arch` value (the part before a ':', any case), or None."""
+    return ARCH_VALUES.get(arch.strip().lower().split(":")[0])
 
 
 def arch_problem(arch: str) -> str | None:
     """Why `model.arch` names no model fitfinder knows, for the job file's validation; None when it does."""
     if arch.split(":")[0].strip().lower() in ARCH_VALUES:
         return None
-    return f"fitfinder does not support the model {arch!r}; {_supported()}"
+    return f"fitfinder does not support the model {arch!r}; {supported()}"
 
 
-def _probeable(job, family: str | None, model: str) -> str:
-    if family in FAMILIES:
-        return family
-    where = f"{job.source}: config.process[0].model"
-    if family is None:
-        raise UserError(f"{where}: fitfinder does not support {model}; {_supported()}")
-    raise UserError(f"{where}: fitfinder knows {model} but cannot probe the {family} family yet; {_supported()}")
-
-
-def _supported() -> str:
+def supported() -> str:
     return f"it supports: {', '.join(FAMILIES)}"
 
 
-def _family_from_name(name: str) -> str | None:
+def family_from_name(name: str) -> str | None:
     """A guess from a local folder's or a fine-tune's name: the family of the longest hint it holds."""
-    compact = name.replace(".", "").replace("-", "").replace("_", "")
+    compact = name.lower().replace(".", "").replace("-", "").replace("_", "")
     held = [hint for hint in NAME_HINTS if hint in compact]
     return NAME_HINTS[max(held, key=len)] if held else None
 
 
-def family_for(job) -> Family:
-    """The job's family declaration (see family_of)."""
-    return FAMILIES[family_of(job)]
-
-
-def is_video(job) -> bool:
-    """Video jobs have a frames knob: a video family, or any dataset with more than one frame."""
-    frames = [int(f) for f in job.get("datasets[*].num_frames")]
-    return family_for(job).video or any(f > 1 for f in frames)
-
-
-def frame_ladder(job, desired: int) -> list[int]:
-    """The clip lengths the frames knob walks down from `desired`: the family's VAE's own ladder."""
-    return family_for(job).frame_ladder(desired)
-
-
-def model_spec(job) -> dict[str, Any]:
-    """What a probe needs to build the job's model: family, architecture, where the weights are."""
-    if hasattr(job, "model_spec"):  # a trainer's job (fitfinder.trainers) reads its own checkpoints
-        return job.model_spec()
-    family = family_of(job)
-    name = str(job.get("model.name_or_path", None) or "")
-    if job.settings.weights == "random":
-        arch_name, arch = shipped_arch(job, family)
-        return {"family": family, "weights": "random", "arch_name": arch_name, "arch": arch, "path": None}
-    path = _local_weights(name, job.source)
-    arch = arch_from_folder(path, family)
-    return {"family": family, "weights": "pretrained", "arch_name": name, "arch": arch, "path": str(path)}
-
-
-def architecture_spec(job) -> dict[str, Any]:
-    """The job's model as an estimate needs it: the architecture, never the weights.
-
-    A local diffusers folder lends its config files; otherwise the shipped architecture of that
-    name (or of any name with `fitfinder: {weights: random}`); otherwise the Hugging Face cache's
-    snapshot, read offline. Nothing is downloaded and no weight file is opened.
-    """
-    if hasattr(job, "architecture_spec"):  # a trainer's job (fitfinder.trainers): its checkpoint's header
-        return job.architecture_spec()
-    family = family_of(job)
-    name = str(job.get("model.name_or_path", None) or "")
-    local = Path(name).expanduser() if name else None
-    if job.settings.weights != "random" and local is not None and local.is_dir():
-        return {"family": family, "weights": "none", "arch_name": name, "arch": arch_from_folder(local, family),
-                "path": None}
-    found = _shipped_by_name(name)
-    if job.settings.weights == "random" or (found is not None and found[1]["family"] == family):
-        arch_name, arch = shipped_arch(job, family)
-        return {"family": family, "weights": "none", "arch_name": arch_name, "arch": arch, "path": None}
-    try:
-        folder = _local_weights(name, job.source)
-    except UserError:
-        matching = [stem for stem, arch in known_archs().items() if arch["family"] == family]
-        raise UserError(f"{job.source}: model.name_or_path {name!r} is neither a shipped {family} architecture "
-                        f"({', '.join(matching)}) nor a local diffusers folder; set it to one of those") from None
-    return {"family": family, "weights": "none", "arch_name": name, "arch": arch_from_folder(folder, family),
-            "path": None}
-
-
-def shipped_arch(job, family: str | None = None) -> tuple[str, dict]:
-    """The shipped architecture config named by `model.name_or_path` (stem or one of its names)."""
-    family = family or family_of(job)
-    name = str(job.get("model.name_or_path", None) or "")
-    found = _shipped_by_name(name)
-    if found is not None and found[1]["family"] == family:
-        return found
-    matching = [stem for stem, arch in known_archs().items() if arch["family"] == family]
-    raise UserError(
-        f"{job.source}: model.name_or_path {name!r} has no shipped {family} architecture for random "
-        f"weights; use one of: {', '.join(matching)}"
-    )
-
-
-def _shipped_by_name(name: str) -> tuple[str, dict] | None:
+def shipped_by_name(name: str) -> tuple[str, dict] | None:
+    """(stem, config) of the shipped architecture called `name` (its stem or one of its names)."""
     wanted = name.strip().lower()
     for stem, arch in known_archs().items():
         if wanted == stem or wanted in (n.lower() for n in arch.get("names", [])):
@@ -227,10 +128,13 @@ def _shipped_by_name(name: str) -> tuple[str, dict] | None:
     return None
 
 
-def _local_weights(name: str, source: str) -> Path:
+def shipped_of(family: str) -> list[str]:
+    """The stems of the shipped architectures of `family`, for a message listing the choices."""
+    return [stem for stem, arch in known_archs().items() if arch["family"] == family]
+
+
+def local_weights(name: str, source: str) -> Path:
     """A local diffusers folder, or the Hugging Face cache's snapshot, never the network."""
-    if not name:
-        raise UserError(f"{source}: config.process[0].model.name_or_path: missing")
     path = Path(name).expanduser()
     if path.exists():
         return path
@@ -272,21 +176,9 @@ SIM_WEIGHTS_LIMIT = 2**30
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
 
 
-def full_size(job) -> str | None:
-    """The job's model, named, when it is full-size (a shipped architecture that is not a `-tiny`
-    one, or a local folder with more than SIM_WEIGHTS_LIMIT of weight files); None otherwise."""
-    if hasattr(job, "architecture_spec"):  # a trainer's job (fitfinder.trainers): its checkpoint's or --arch's
-        spec = job.architecture_spec()
-        return None if spec["arch_name"].endswith("-tiny") else f"{spec['arch_name']} ({spec['family']})"
-    name = str(job.get("model.name_or_path", None) or "")
-    found = _shipped_by_name(name)
-    if found is not None:
-        return None if found[0].endswith("-tiny") else f"{name} ({found[0]}, {found[1]['family']})"
-    path = Path(name).expanduser() if name else None
-    if job.settings.weights == "random" or path is None or not path.is_dir():
-        return None
-    held = sum(f.stat().st_size for f in path.rglob("*") if f.suffix in _WEIGHT_FILES and f.is_file())
-    return f"{name} ({format_bytes(held)} of weights)" if held > SIM_WEIGHTS_LIMIT else None
+def weights_held(folder: Path) -> int:
+    """Bytes of weight files under `folder` (a diffusers folder: one file per part, or shards)."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.suffix in _WEIGHT_FILES and f.is_file())
 
 
 def load_note(request: dict) -> str:

@@ -108,7 +108,7 @@ class AiToolkit:
         return data
 
     def write(self, document: dict[str, Any], folder: Path, request: dict[str, Any]) -> Path:
-        from fitfinder.jobconfig import JobFile  # ruamel: only where a job is written
+        from fitfinder.trainers.aitoolkit_job import JobFile  # ruamel: only where a job is written
 
         steps = int(request["steps"])
         data = json.loads(json.dumps(document))

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from fitfinder import models, space as spaces
+from fitfinder import models, space as spaces, trainers
 from fitfinder.errors import RunFailed
 from fitfinder.probe import recipe
 from fitfinder.probe.overhead import GpuOverhead
@@ -51,7 +51,7 @@ def as_estimate(request: ProbeRequest, overhead: GpuOverhead) -> ProbeRequest:
 
 def request_for(job, overhead: GpuOverhead) -> ProbeRequest:
     """The estimate request of a job file: its architecture, never its weights."""
-    request = probe_request(job, 1, "estimate", job.settings.vram_bytes, spec=models.architecture_spec(job))
+    request = probe_request(job, 1, "estimate", job.settings.vram_bytes, spec=trainers.architecture_spec(job))
     return as_estimate(request, overhead)
 
 

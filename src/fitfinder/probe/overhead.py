@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from fitfinder.errors import RunFailed, UserError
-from fitfinder.jobconfig import write_atomic
+from fitfinder.files import write_atomic
 from fitfinder.models import cache_dir
 from fitfinder.probe import preflight
 from fitfinder.units import format_bytes

@@ -59,7 +59,7 @@ class TrainerRecipe(TypedDict):
 class ProbeRequest(TypedDict):
     """Everything a probe needs, read from the job file with AI Toolkit's defaults."""
 
-    model: dict[str, Any]  # models.model_spec (or models.architecture_spec for an estimate)
+    model: dict[str, Any]  # trainers.model_spec (or trainers.architecture_spec for an estimate)
     dtype: str
     quantize: Optional[int]  # bits of the base model's weights, None: not quantized
     quant_type: str  # AI Toolkit's qtype name (see models._weights.quantize)

@@ -18,9 +18,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from fitfinder import jobconfig, space as spaces
+from fitfinder import space as spaces
 from fitfinder.errors import UserError
-from fitfinder.jobconfig import JobFile, write_atomic
+from fitfinder.files import write_atomic
+from fitfinder.trainers import aitoolkit_job
+from fitfinder.trainers.aitoolkit_job import JobFile
 from fitfinder.probe import trainer
 from fitfinder.results import _plots
 from fitfinder.search import planner, study as studies, tiers
@@ -146,7 +148,7 @@ def open_study(name: str, studies_dir: Path, storage: str | None, job_path: Path
     if not job_path.is_file():
         raise UserError(f"study {name!r} was made from {attrs.get('job_file')!r}, which is not here; "
                         "run from the folder the search ran in, or give --job PATH")
-    space = spaces.build(jobconfig.load(job_path))
+    space = spaces.build(aitoolkit_job.load(job_path))
     changed = studies.signature_changes(attrs, studies.space_signature(space), studies.job_signature(space))
     if changed:
         raise UserError(f"{job_path} is no longer the job study {name!r} searched ({'; '.join(changed[:3])} "

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fitfinder import models, space as spaces
+from fitfinder import space as spaces, trainers
 from fitfinder.probe import faults
 from fitfinder.search import estimated, outputs, study as studies, worker as workers
 from fitfinder.search.planner import ATTEMPTS, HOST_MEMORY, Knowledge, Result, best, best_tight, explain, plan
@@ -194,5 +194,5 @@ def _refuse_before_writing(job, options: SearchOptions) -> None:
                   (*outputs.SEARCH, getattr(job, "best_name", "best.yaml")))
     if sqlite is not None:
         studies.refuse_foreign_sqlite(sqlite, options.storage)
-    models.model_spec(job)  # a missing model path says so now, not after the study is made
+    trainers.model_spec(job)  # a missing model path says so now, not after the study is made
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from fitfinder import files, models
 from fitfinder.errors import UserError
-from fitfinder.jobconfig import write_atomic
+from fitfinder.files import write_atomic
 from fitfinder.probe.estimate import Estimator, margin_fitting, request_for as estimate_request
 from fitfinder.search import estimated, planner
 from fitfinder.units import MAX_BUDGET, MIN_BUDGET, format_bytes

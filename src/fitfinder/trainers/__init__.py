@@ -2,18 +2,19 @@
 
 `load(path)` reads the job a user already has, in its trainer's own form:
 
-- an AI Toolkit job file (YAML or JSON), read by `jobconfig` (its rules: aitoolkit.py);
+- an AI Toolkit job file (YAML or JSON), read by aitoolkit_job.py (its rules: aitoolkit.py);
 - a shell file with kohya sd-scripts' or musubi-tuner's command line (`accelerate launch [options]
   flux_train_network.py --flag value ...`), whose `--config_file` and `--dataset_config` are read
   relative to the shell file's folder; the script names the trainer and the model;
 - a kohya `--config_file` TOML, whose keys name the script where they can (`t5xxl` with `ae`:
   flux_train_network.py), else `--script NAME` does; its `dataset_config` names the dataset TOML.
 
-The layers above ask a job's trainer through `knob_specs`, `phases_run`, `effective_batch` and
-`probe_request` here, whichever trainer it is: AI Toolkit's rules are aitoolkit.py's; a kohya job
-(`_kohya.KohyaJob`) answers by its trainer's module (sd_scripts.py, musubi_tuner.py), and also
-gives its architecture and `write`, which writes it back in the same form with only fitfinder's
-changes differing.
+The layers above ask a job's trainer through the functions here, whichever trainer it is
+(`knob_specs`, `phases_run`, `effective_batch`, `probe_request`, `model_spec`, `architecture_spec`,
+`full_size`, `diagnose_settings`, `lever_changes`, `assumptions`): AI Toolkit's rules are
+aitoolkit.py's; a kohya job (`_kohya.KohyaJob`) answers by its trainer's module (sd_scripts.py,
+musubi_tuner.py). Every job also has `write`, which writes it back in the same form with only
+fitfinder's changes differing.
 
 `aitoolkit_to_kohya` writes an AI Toolkit job as a kohya one (`fitfinder export --format kohya`).
 """
@@ -23,10 +24,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fitfinder import jobconfig
-from fitfinder.errors import UserError
-from fitfinder.jobconfig import brief
-from fitfinder.trainers import _kohya, _shell, _toml, aitoolkit, musubi_tuner, sd_scripts
+from fitfinder import files
+from fitfinder.errors import UserError, brief
+from fitfinder.trainers import _kohya, _shell, _toml, aitoolkit, aitoolkit_job, musubi_tuner, sd_scripts
 from fitfinder.trainers._knob import KnobSpec
 from fitfinder.trainers._kohya import KohyaJob
 
@@ -40,7 +40,7 @@ def load(path: str | Path, script: str | None = None, arch: str | None = None) -
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix in (".yaml", ".yml", ".json"):  # AI Toolkit's run.py takes a .json job as well
-        return jobconfig.load(path)
+        return aitoolkit_job.load(path)
     text = _text(path)
     if suffix in (".sh", ".bash") or text.startswith("#!") or _names_a_script(text):
         return _from_shell(path, text, arch)
@@ -48,7 +48,7 @@ def load(path: str | Path, script: str | None = None, arch: str | None = None) -
         return _from_toml(path, text, script, arch)
     # Any other name (none, .txt, .cfg, or a file that lies where an output goes): whichever form
     # reads it, so that the checks after the load (is it among the outputs?) still see it.
-    for reader in (lambda: _from_toml(path, text, script, arch), lambda: jobconfig.load(path)):
+    for reader in (lambda: _from_toml(path, text, script, arch), lambda: aitoolkit_job.load(path)):
         try:
             return reader()
         except UserError:
@@ -87,6 +87,24 @@ def assumptions(job: Any) -> list[str]:
     (an adapter file not here, attention backends, compile); a kohya job's are its `notes`, made as it
     is read."""
     return [] if isinstance(job, KohyaJob) else aitoolkit.assumptions(job)
+
+
+def model_spec(job: Any) -> dict[str, Any]:
+    """What a probe builds the job's model from (family, architecture, weights), as its trainer finds it."""
+    return job.model_spec() if isinstance(job, KohyaJob) else aitoolkit.model_spec(job)
+
+
+def architecture_spec(job: Any) -> dict[str, Any]:
+    """The job's model as an estimate needs it: its architecture, never its weights."""
+    return job.architecture_spec() if isinstance(job, KohyaJob) else aitoolkit.architecture_spec(job)
+
+
+def full_size(job: Any) -> str | None:
+    """The job's model, named, when it is too large for the sim meter's real CPU training; None otherwise."""
+    if isinstance(job, KohyaJob):  # its checkpoint's architecture or --arch's
+        spec = job.architecture_spec()
+        return None if spec["arch_name"].endswith("-tiny") else f"{spec['arch_name']} ({spec['family']})"
+    return aitoolkit.full_size(job)
 
 
 def probe_request(job: Any, **run: Any) -> dict:
@@ -229,7 +247,7 @@ def write_job_files(job: Any, folder: str | Path, overrides: dict[str, Any] | No
     written = []
     for name, text in twin.files(stem, folder=folder).items():
         target = folder / name
-        jobconfig.write_atomic(target, text, mode=0o777 if name.endswith(".sh") else 0o666)
+        files.write_atomic(target, text, mode=0o777 if name.endswith(".sh") else 0o666)
         written.append(target)
     return written
 

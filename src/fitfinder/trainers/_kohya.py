@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from fitfinder import files, jobconfig, models
+from fitfinder import files, models
 from fitfinder.errors import ConfigError, UserError
-from fitfinder.jobconfig import Settings, brief, one_line, write_atomic
+from fitfinder.errors import brief, one_line
+from fitfinder.files import write_atomic
+from fitfinder.settings import Settings
 from fitfinder.trainers import _safetensors, _shell, _toml
 from fitfinder.trainers._knob import ALL, DATA, KnobSpec
 
@@ -683,7 +685,7 @@ def architecture(job: KohyaJob, family: str, default_arch: str, checkpoint_key: 
     the shipped architecture (`decide`); else the script's default, and the job's notes say which."""
     shipped = models.known_archs()
     if job.arch:
-        found = models._shipped_by_name(job.arch)  # noqa: SLF001 - the registry's own lookup by name
+        found = models.shipped_by_name(job.arch)
         if found is None:
             matching = [stem for stem, arch in shipped.items() if arch["family"] == family]
             raise UserError(f"--arch {brief(job.arch)}: no shipped architecture of that name; "
@@ -850,7 +852,7 @@ def not_modelled(job: KohyaJob, flags: dict[str, str]) -> None:
             job.notes.append(f"--{flag} is not modelled: {effect}")
 
 
-__all__ = ["KohyaJob", "KnobSpec", "Option", "jobconfig"]
+__all__ = ["KohyaJob", "KnobSpec", "Option"]
 
 
 def dataset_edits(job: KohyaJob, changes: dict[str, Any], from_args: dict[str, str]) -> tuple[dict, dict]:

@@ -18,7 +18,7 @@ from typing import Any
 import tomli_w
 
 from fitfinder.errors import UserError
-from fitfinder.jobconfig import one_line
+from fitfinder.errors import one_line
 
 MAX_TOML_BYTES = 1 << 20
 

@@ -1,13 +1,17 @@
-"""AI Toolkit (ostris/ai-toolkit): its job file's knobs, and how a job becomes a probe request.
+"""AI Toolkit (ostris/ai-toolkit): its job file's knobs and model, and how a job becomes a probe request.
 
 The job file itself, YAML read with its comments and order kept, validated and written back, is
-`jobconfig.JobFile` with AI Toolkit's defaults (`jobconfig.AITK_DEFAULTS`, from
+`aitoolkit_job.JobFile` with AI Toolkit's defaults (`aitoolkit_job.AITK_DEFAULTS`, from
 toolkit/config_modules.py). This module holds what AI Toolkit's rules decide above the file:
 
 - its knobs in its own key paths (`knob_specs`: buckets are `datasets[*].resolution`, rank
   `network.linear`, layer offloading `model.layer_offloading` and its percents, ...), each with how
   it writes itself into the job;
 - the phases a probe of a point runs (`phases_run`: AI Toolkit's previews, skip_first_sample);
+- the job's model from its `model` keys (`family_of`, `model_spec`, `architecture_spec`,
+  `full_size`): the family by `model.arch`, an `is_*` flag or the name, the weights from a local
+  diffusers folder or the Hugging Face cache, or a shipped architecture with random weights
+  (models answers the lookups by name);
 - the probe request (`probe_request`): the model's precision and quantization as its loaders do
   them, the LoRA as its network builds it, the previews as its samplers draw them;
 - what diagnose's rollback reads of the job (`diagnose_settings`) and its levers as edits of the
@@ -15,8 +19,7 @@ toolkit/config_modules.py). This module holds what AI Toolkit's rules decide abo
 
 kohya's trainers answer the same questions in their own modules (sd_scripts.py, musubi_tuner.py,
 through `_kohya.KohyaJob`); the functions of the same names in `trainers` ask whichever trainer the
-job is for. Still outside: the model's folder or shipped architecture is found by
-models.model_spec, below the trainers.
+job is for.
 """
 
 from __future__ import annotations
@@ -28,12 +31,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from fitfinder import jobconfig, models
-from fitfinder.errors import ConfigError, UserError
-from fitfinder.jobconfig import (AITK_DEFAULTS, FRAMES, PIXELS, RANKS, JobFile, brief, int_in, is_full_fine_tune,
-                                 network_type, optimizer_name)
-from fitfinder.trainers import _safetensors
+from fitfinder import models
+from fitfinder.errors import ConfigError, UserError, brief
+from fitfinder.trainers import _safetensors, aitoolkit_job
+from fitfinder.trainers.aitoolkit_job import (AITK_DEFAULTS, FRAMES, PIXELS, RANKS, JobFile, int_in, is_full_fine_tune,
+                                             network_type, optimizer_name)
 from fitfinder.trainers._knob import ALL, DATA, PHASES, PREVIEW, KnobSpec
+from fitfinder.units import format_bytes
 
 
 # -- what the layers above ask -------------------------------------------------------------------
@@ -42,7 +46,7 @@ def knob_specs(job: JobFile) -> list[KnobSpec]:
     more than one candidate. An override that does not apply, or lists a value a knob cannot take, is
     a ConfigError naming each."""
     overrides = job.settings.candidates
-    video = models.is_video(job)
+    video = is_video(job)
     problems: list[str] = []
     specs = []
     for name, make in _BUILDERS.items():
@@ -94,7 +98,7 @@ def diagnose_settings(job: JobFile) -> dict[str, Any]:
 def assumptions(job: JobFile) -> list[str]:
     """What an estimate of the job assumes where its files are not on this machine, or does not follow."""
     notes = []
-    adapter = recovery_adapter(job, models.family_for(job))
+    adapter = recovery_adapter(job, family_for(job))
     if adapter is not None and not adapter["read"]:
         notes.append(f"the accuracy-recovery adapter {adapter['path']} is not on this machine: its rank is assumed "
                      f"to be {adapter['rank']}, on the LoRA's layers (AI Toolkit reads both from the file)")
@@ -108,6 +112,128 @@ def assumptions(job: JobFile) -> list[str]:
     return notes
 
 
+# -- the job's model: AI Toolkit's `model` keys (toolkit/config_modules.py ModelConfig) -----------
+def family_of(job: JobFile) -> str:
+    """The family from `model.arch`, AI Toolkit's flags, or the model name; only a family fitfinder probes.
+
+    A model AI Toolkit trains whose family module does not exist yet is refused by name, and an
+    unknown one as unsupported: relabelling a model as another family would probe the wrong network.
+    """
+    arch = str(job.get("model.arch", None) or "").strip().lower()
+    name = _model_name(job)
+    if arch:
+        return _probeable(job, models.family_by_arch(arch), f"model.arch {arch!r}")
+    for flag, family in models.FLAGS.items():
+        if job.get(f"model.{flag}", None) is True:
+            return _probeable(job, family, f"model.{flag}")
+    shipped = models.shipped_by_name(name)
+    if shipped is not None:
+        return _probeable(job, shipped[1]["family"], f"{name} ({shipped[0]})")
+    guessed = models.family_from_name(name)
+    if guessed is not None:
+        return _probeable(job, guessed, name)
+    return _probeable(job, None, f"the model {name or '-'} (neither model.arch, an is_* flag nor its name "
+                                 "says which it is)")
+
+
+def _probeable(job: JobFile, family: str | None, model: str) -> str:
+    if family in models.FAMILIES:
+        return family
+    where = f"{job.source}: config.process[0].model"
+    if family is None:
+        raise UserError(f"{where}: fitfinder does not support {model}; {models.supported()}")
+    raise UserError(f"{where}: fitfinder knows {model} but cannot probe the {family} family yet; "
+                    f"{models.supported()}")
+
+
+def _model_name(job: JobFile) -> str:
+    return str(job.get("model.name_or_path", None) or "")
+
+
+def family_for(job: JobFile) -> models.Family:
+    """The job's family declaration (see family_of)."""
+    return models.FAMILIES[family_of(job)]
+
+
+def is_video(job: JobFile) -> bool:
+    """Video jobs have a frames knob: a video family, or any dataset with more than one frame."""
+    frames = [int(f) for f in job.get("datasets[*].num_frames")]
+    return family_for(job).video or any(f > 1 for f in frames)
+
+
+def model_spec(job: JobFile) -> dict[str, Any]:
+    """What a probe needs to build the job's model: family, architecture, where the weights are."""
+    family = family_of(job)
+    if job.settings.weights == "random":
+        arch_name, arch = shipped_arch(job, family)
+        return {"family": family, "weights": "random", "arch_name": arch_name, "arch": arch, "path": None}
+    path = _local_weights(job)
+    arch = models.arch_from_folder(path, family)
+    return {"family": family, "weights": "pretrained", "arch_name": _model_name(job), "arch": arch,
+            "path": str(path)}
+
+
+def architecture_spec(job: JobFile) -> dict[str, Any]:
+    """The job's model as an estimate needs it: the architecture, never the weights.
+
+    A local diffusers folder lends its config files; otherwise the shipped architecture of that
+    name (or of any name with `fitfinder: {weights: random}`); otherwise the Hugging Face cache's
+    snapshot, read offline. Nothing is downloaded and no weight file is opened.
+    """
+    family = family_of(job)
+    name = _model_name(job)
+    local = Path(name).expanduser() if name else None
+    if job.settings.weights != "random" and local is not None and local.is_dir():
+        return {"family": family, "weights": "none", "arch_name": name,
+                "arch": models.arch_from_folder(local, family), "path": None}
+    found = models.shipped_by_name(name)
+    if job.settings.weights == "random" or (found is not None and found[1]["family"] == family):
+        arch_name, arch = shipped_arch(job, family)
+        return {"family": family, "weights": "none", "arch_name": arch_name, "arch": arch, "path": None}
+    try:
+        folder = _local_weights(job)
+    except UserError:
+        raise UserError(f"{job.source}: model.name_or_path {name!r} is neither a shipped {family} architecture "
+                        f"({', '.join(models.shipped_of(family))}) nor a local diffusers folder; set it to one "
+                        "of those") from None
+    return {"family": family, "weights": "none", "arch_name": name, "arch": models.arch_from_folder(folder, family),
+            "path": None}
+
+
+def shipped_arch(job: JobFile, family: str | None = None) -> tuple[str, dict]:
+    """The shipped architecture config named by `model.name_or_path` (stem or one of its names)."""
+    family = family or family_of(job)
+    name = _model_name(job)
+    found = models.shipped_by_name(name)
+    if found is not None and found[1]["family"] == family:
+        return found
+    raise UserError(
+        f"{job.source}: model.name_or_path {name!r} has no shipped {family} architecture for random "
+        f"weights; use one of: {', '.join(models.shipped_of(family))}"
+    )
+
+
+def _local_weights(job: JobFile) -> Path:
+    name = _model_name(job)
+    if not name:
+        raise UserError(f"{job.source}: config.process[0].model.name_or_path: missing")
+    return models.local_weights(name, job.source)
+
+
+def full_size(job: JobFile) -> str | None:
+    """The job's model, named, when it is full-size (a shipped architecture that is not a `-tiny`
+    one, or a local folder with more than models.SIM_WEIGHTS_LIMIT of weight files); None otherwise."""
+    name = _model_name(job)
+    found = models.shipped_by_name(name)
+    if found is not None:
+        return None if found[0].endswith("-tiny") else f"{name} ({found[0]}, {found[1]['family']})"
+    path = Path(name).expanduser() if name else None
+    if job.settings.weights == "random" or path is None or not path.is_dir():
+        return None
+    held = models.weights_held(path)
+    return f"{name} ({format_bytes(held)} of weights)" if held > models.SIM_WEIGHTS_LIMIT else None
+
+
 # AI Toolkit's DatasetConfig default for `num_workers` (toolkit/config_modules.py), which the job
 # defaults this project keeps do not carry.
 NUM_WORKERS = 2
@@ -117,14 +243,14 @@ def probe_request(job: JobFile, steps: int, meter: str, budget_bytes: int | None
                   fault: str | None, sample_steps: int) -> dict:
     """Everything a probe needs, read from the job file with AI Toolkit's defaults (probe/protocol.py
     names every field; probe/request.py adds how the probe is run)."""
-    spec = spec or models.model_spec(job)
+    spec = spec or model_spec(job)
     family = models.FAMILIES[spec["family"]]
     qtype, qtype_te = quant_types(job, family)
-    bits = jobconfig.qtype_bits(qtype)[0] if job.quantize else None  # a blank qtype is unused (jobconfig)
-    bits_te = jobconfig.qtype_bits(qtype_te)[0] if job.quantize_te else None
+    bits = aitoolkit_job.qtype_bits(qtype)[0] if job.quantize else None  # a blank qtype is unused (aitoolkit_job)
+    bits_te = aitoolkit_job.qtype_bits(qtype_te)[0] if job.quantize_te else None
     return {
         "model": spec,
-        "dtype": jobconfig.DTYPES[str(job.get("train.dtype")).lower()],
+        "dtype": aitoolkit_job.DTYPES[str(job.get("train.dtype")).lower()],
         "quantize": bits, "quant_type": qtype,
         "recovery_adapter": recovery_adapter(job, family),
         "quantize_te": bits_te, "quant_type_te": qtype_te,
@@ -138,7 +264,7 @@ def probe_request(job: JobFile, steps: int, meter: str, budget_bytes: int | None
         "accumulation": job.accumulation,
         "gradient_checkpointing": bool(job.get("train.gradient_checkpointing")),
         **_trained_weights(job, family),
-        "optimizer": jobconfig.optimizer_name(job.get("train.optimizer")),
+        "optimizer": aitoolkit_job.optimizer_name(job.get("train.optimizer")),
         "optimizer_params": json.loads(json.dumps(job.get("train.optimizer_params", None) or {})),
         "ema_decay": _ema_decay(job),
         "preservation": _preservation(job),
@@ -228,7 +354,7 @@ def _apply_buckets(job: JobFile, label: str, space) -> None:
 # -- frames: datasets[*].num_frames (video) -------------------------------------------------------
 def frame_ladder(job: JobFile, desired: int) -> list[int]:
     """Clip lengths the family's VAE wants, down from `desired` (Wan: 4k+1, halving k: 81 -> 41, 21, 9, 5, 1)."""
-    return models.frame_ladder(job, desired)
+    return family_for(job).frame_ladder(desired)
 
 
 def _frames(job: JobFile, override: list | None, video: bool) -> KnobSpec | None:
@@ -478,7 +604,7 @@ _low_vram_switch, _apply_low_vram = _switch("low_vram", "model.low_vram", ALL, l
 def _low_vram(job: JobFile, override: list | None, video: bool) -> KnobSpec | None:
     """model.low_vram moves only what the family's AI Toolkit loader and model class do with it
     (Family.low_vram_moves): for FLUX.1 the load alone, for SDXL nothing, so no knob there."""
-    phases = models.family_for(job).low_vram_moves
+    phases = family_for(job).low_vram_moves
     if not phases and override is None:
         return None
     return replace(_low_vram_switch(job, override, video), phases=phases)
@@ -493,7 +619,7 @@ OFFLOAD_SHARES = (1.0, 0.75, 0.5, 0.25, 0.0)
 
 
 def _layer_offloading(job: JobFile, override: list | None, video: bool) -> KnobSpec | None:
-    if is_full_fine_tune(job) or not models.family_for(job).layer_offloading:
+    if is_full_fine_tune(job) or not family_for(job).layer_offloading:
         return None  # the family's AI Toolkit loader never offloads (Family.layer_offloading)
     on = job.get("model.layer_offloading", None)
     on = bool(job.get("model.auto_memory", False) if on is None else on)
@@ -700,7 +826,7 @@ def layer_offloading(job, family) -> dict[str, float]:
     """
     on = job.get("model.layer_offloading", None)
     on = bool(job.get("model.auto_memory", False) if on is None else on)
-    if not (on and family.layer_offloading) or jobconfig.is_full_fine_tune(job):
+    if not (on and family.layer_offloading) or aitoolkit_job.is_full_fine_tune(job):
         return {"denoiser": 0.0, "text_encoder": 0.0}
     return {"denoiser": float(job.get("model.layer_offloading_transformer_percent", 1.0)),
             "text_encoder": float(job.get("model.layer_offloading_text_encoder_percent", 1.0))}
@@ -716,11 +842,11 @@ def _trained_weights(job, family) -> dict[str, Any]:
     also calls lycoris); or, without `network` (a full fine-tune), rank None and the parameter name
     filters AI Toolkit applies to the denoiser (model.only_if_contains and ignore_if_contains,
     matched as substrings of "transformer.NAME" / "unet.NAME")."""
-    if jobconfig.is_full_fine_tune(job):
+    if aitoolkit_job.is_full_fine_tune(job):
         return {"rank": None, "alpha": None,
                 "only_if_contains": list(job.get("model.only_if_contains", None) or []),
                 "ignore_if_contains": list(job.get("model.ignore_if_contains", None) or [])}
-    kind = jobconfig.network_type(job)
+    kind = aitoolkit_job.network_type(job)
     kind = "locon" if kind == "lycoris" else kind
     if kind == "locon" and not family.lora_convs:
         raise UserError(f"{job.source}: config.process[0].network.type: {job.get('network.type')}: AI Toolkit's "
@@ -751,7 +877,7 @@ def _preservation(job) -> bool:
     if dop and blank:
         raise UserError(f"{where}: AI Toolkit refuses diff_output_preservation and blank_prompt_preservation "
                         "together; keep one of them")
-    if (dop or blank) and jobconfig.is_full_fine_tune(job):
+    if (dop or blank) and aitoolkit_job.is_full_fine_tune(job):
         raise UserError(f"{where}: AI Toolkit's output preservation needs a network (a LoRA); add `network`")
     triggers = [job.get("trigger_word", None), *(dataset.get("trigger_word") for dataset in job.process["datasets"])]
     if dop and not any(trigger is not None for trigger in triggers):

@@ -28,9 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fitfinder import jobconfig, models, trainers
+from fitfinder import models, trainers
 from fitfinder.errors import UserError
-from fitfinder.jobconfig import JobFile, one_line, write_atomic
+from fitfinder.errors import one_line
+from fitfinder.files import write_atomic
+from fitfinder.trainers import aitoolkit, aitoolkit_job
+from fitfinder.trainers.aitoolkit_job import JobFile
 from fitfinder.trainers import _kohya, musubi_tuner, sd_scripts
 
 FILES = ("kohya.toml", "kohya_dataset.toml", "kohya_prompts.txt", "kohya.sh")
@@ -84,9 +87,9 @@ class Trainer:
 
 
 def trainer_for(job: JobFile) -> tuple[Trainer, dict[str, Any]]:
-    """The kohya trainer for the job's model family (models.family_of, the family the search probed),
+    """The kohya trainer for the job's model family (aitoolkit.family_of, the family the search probed),
     and the script's own arguments for the model (Wan's task, read from model.arch and the name)."""
-    family = models.family_of(job)
+    family = aitoolkit.family_of(job)
     found = next(((module, *pair) for module in (sd_scripts, musubi_tuner)
                   for pair in [module.for_family(family)] if pair), None)
     if found is None:
@@ -101,7 +104,7 @@ def trainer_for(job: JobFile) -> tuple[Trainer, dict[str, Any]]:
     if family == "flux2_klein" and "4b" in name:
         own["model_version"] = "klein-4b"
     try:
-        arch = models.shipped_arch(job, family)[1]
+        arch = aitoolkit.shipped_arch(job, family)[1]
     except UserError:  # no shipped architecture by that name: the script's own default
         arch = models.known_archs()[_default_arch(spec, own)]
     return Trainer(module, spec, own, family, arch), dict(own)
@@ -149,7 +152,7 @@ def write(job: JobFile, out_dir: Path) -> Export:
     args = _training_args(job, trainer, extra, rows)
     datasets = _dataset_config(job, trainer, rows)
     prompts = _prompts(job, trainer, args, rows)
-    dtype = jobconfig.DTYPES[str(job.get("train.dtype")).lower()]
+    dtype = aitoolkit_job.DTYPES[str(job.get("train.dtype")).lower()]
     header = [f"kohya {trainer.repo} settings for AI Toolkit job {job.source}, written by fitfinder.",
               f"Run kohya.sh (it passes this file as --config_file to {trainer.script})."]
     header += [f"not the same: {r.setting} = {_show(r.value)} -> {r.kohya} ({r.note})" for r in rows
@@ -179,7 +182,7 @@ def _training_args(job: JobFile, trainer: Trainer, extra: dict, rows: list[Mappi
     def row(setting, value, kohya, kind="exact", note=""):
         rows.append(Mapping(setting, value, kohya, kind, note))
 
-    if jobconfig.is_full_fine_tune(job):
+    if aitoolkit_job.is_full_fine_tune(job):
         raise UserError(f"{job.source}: a full fine-tune (no `network`): the kohya export writes LoRA jobs only")
     network_type = str(job.get("network.type", "lora")).lower()
     rank, alpha = job.lora_rank, job.lora_alpha
@@ -195,7 +198,7 @@ def _training_args(job: JobFile, trainer: Trainer, extra: dict, rows: list[Mappi
         row("train.train_text_encoder", text_too, f"network_train_unet_only = {str(not text_too).lower()}")
 
     batch = int(job.get("train.batch_size"))
-    dtype = jobconfig.DTYPES[str(job.get("train.dtype")).lower()]
+    dtype = aitoolkit_job.DTYPES[str(job.get("train.dtype")).lower()]
     optimizer = str(job.get("train.optimizer")).lower()
     training = {"max_train_steps": int(job.get("train.steps", 1000)), "learning_rate": float(job.get("train.lr")),
                 "optimizer_type": _OPTIMIZERS.get(optimizer, optimizer),
@@ -222,7 +225,7 @@ def _training_args(job: JobFile, trainer: Trainer, extra: dict, rows: list[Mappi
         saving["save_model_as"] = "safetensors"
     if job.has("save.save_every"):
         saving["save_every_n_steps"] = int(job.get("save.save_every"))
-    save_dtype = jobconfig.DTYPES.get(str(job.get("save.dtype", "") or "").lower())
+    save_dtype = aitoolkit_job.DTYPES.get(str(job.get("save.dtype", "") or "").lower())
     if save_dtype and trainer.takes("save_precision"):
         saving["save_precision"] = _SAVE_PRECISION[save_dtype]
     return {"model": extra, "network": network, "training": training, "memory": memory, "sampling": sampling,

@@ -1,27 +1,27 @@
-"""Trainer job files: read, validate, get and set knobs by path, write with comments kept.
+"""AI Toolkit's job file: read, validate, get and set knobs by path, write back with comments kept.
 
-AI Toolkit's YAML is the format read here: `job`, `config.name`, `config.process[0]` with
-`network`, `datasets`, `train`, `model`, `sample`. Key paths are relative to
+AI Toolkit's YAML (or JSON, which its run.py also takes): `job`, `config.name`, `config.process[0]`
+with `network`, `datasets`, `train`, `model`, `sample`. Key paths are relative to
 `config.process[0]`: `train.batch_size`, `datasets[0].resolution`, `datasets[*].resolution`
 (every dataset). A key the file leaves out reads as AI Toolkit's own default, so the memory a
-probe measures is the memory the trainer would use.
+probe measures is the memory the trainer would use. The file's `fitfinder:` section holds
+fitfinder's own settings (fitfinder.settings). AI Toolkit's rules above the file (its knobs, its
+probe request, its model) are aitoolkit.py's.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import io
+import json
 import math
-import os
 import re
-import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fitfinder.errors import ConfigError, UserError
-from fitfinder.units import parse_budget
+from fitfinder.errors import ConfigError, UserError, brief, one_line
+from fitfinder.files import write_atomic
+from fitfinder.settings import Settings, read_settings
 
 # AI Toolkit's defaults for the keys that decide memory (its toolkit/config_modules.py).
 AITK_DEFAULTS: dict[str, Any] = {
@@ -57,12 +57,6 @@ AITK_DEFAULTS: dict[str, Any] = {
     "sample.num_frames": 1,
     "sample.guidance_scale": 7,
 }
-
-# The knobs the search may turn, by name; `fitfinder: candidates:` overrides their values.
-KNOB_NAMES = (
-    "buckets", "frames", "rank", "batch", "gradient_checkpointing", "quantize", "low_vram",
-    "text_encoder", "optimizer", "ema", "sample_size", "sample_frames", "sampling", "layer_offloading",
-)
 
 # AI Toolkit's quantization types (optimum-quanto, torchao and its own uint names) -> bits; the
 # probe quantizes each as AI Toolkit does (models._weights.quantize). A "uint4|adapter" value adds
@@ -127,36 +121,8 @@ def qtype_bits(qtype: Any) -> tuple[int, str]:
 def _qtype_ok(value: Any) -> bool:
     return isinstance(value, str) and value.split("|")[0].strip().lower() in QTYPE_BITS
 
-
 _INDEX = re.compile(r"^([A-Za-z_][\w]*)\[(\d+|\*)\]$")
 _MISSING = object()
-
-
-@dataclass
-class Settings:
-    """fitfinder's own settings: the `fitfinder:` section, then command-line options on top."""
-
-    vram_bytes: int | None = None
-    # The host's budget (--ram, `fitfinder: ram`): a point whose host peak passes it does not fit.
-    # None: no host budget (estimate, tiers), or the machine's available memory (search, probe: cli).
-    ram_bytes: int | None = None
-    margin: float = 0.05
-    probe_steps: int = 20
-    probe_timeout: float = 600.0
-    trials: int = 40
-    weights: str = "pretrained"
-    candidates: dict[str, list] = field(default_factory=dict)
-    priorities: list[str] = field(default_factory=list)
-    trainer_command: str | None = None  # the user's trainer runs the probes (probe/trainer.py)
-
-    def with_options(self, **options: Any) -> "Settings":
-        """Command-line options win over the file; None means 'not given'."""
-        merged = copy.deepcopy(self)
-        for key, value in options.items():
-            if value is not None:
-                setattr(merged, key, value)
-        return merged
-
 
 class JobFile:
     """An AI Toolkit job file held as ruamel round-trip data (comments and key order kept)."""
@@ -391,47 +357,6 @@ def _shallow_copy(node: Any) -> Any:
     node.copy_attributes(copied, memo={id(node): copied})
     return copied
 
-
-def write_atomic(path: str | Path, text: str, mode: int = 0o666) -> None:
-    """Write through a temporary file in the same folder and rename it into place, with the mode
-    `open` would give (`mode` less the umask: mkstemp's own 0600 would hide results from others).
-    A folder or disk that refuses the write is one UserError naming the file and the reason."""
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    except OSError as exc:
-        raise UserError(f"{path}: cannot write it ({_reason(exc)}); give another output folder") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.chmod(tmp, mode & ~_umask())
-        os.replace(tmp, path)
-    except OSError as exc:  # a full disk, a folder in the way of the file
-        Path(tmp).unlink(missing_ok=True)
-        raise UserError(f"{path}: cannot write it ({_reason(exc)})") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _reason(exc: OSError) -> str:
-    return exc.strerror or type(exc).__name__
-
-
-def _umask() -> int:
-    """The process's umask, read without changing it where Linux says it (threads may be writing)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 # A job file is a few KiB; 1 MiB leaves room for hundreds of prompts. Past it, parsing and the
 # search's copies of the file take minutes (measured: 50 MB took 50 s to parse).
 MAX_JOB_BYTES = 1 << 20
@@ -494,7 +419,7 @@ def loads(text: str, source: str = "<job>") -> JobFile:
     problems = _structure_problems(data)
     if problems:
         raise ConfigError(source, problems)
-    settings, settings_problems = _read_settings(data.get("fitfinder"))
+    settings, settings_problems = read_settings(_plain(data.get("fitfinder")))
     content = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     explicit_start = bool(content) and content[0].startswith("---")
     job = JobFile(data, source, settings, explicit_start)
@@ -685,89 +610,6 @@ def _dataset_problems(job: JobFile, check) -> list[str]:
                         "probes one batch size, so give them the same one (or leave it to train.batch_size)")
     return problems
 
-
-def _read_settings(section: Any) -> tuple[Settings, list[str]]:
-    """The `fitfinder:` section as Settings, with a problem for each unknown or bad key."""
-    settings = Settings()
-    if section is None:
-        return settings, []
-    if not isinstance(section, dict):
-        return settings, [f"fitfinder: expected a mapping, got {brief(section)}"]
-    problems: list[str] = []
-    readers = {
-        "vram": ("vram_bytes", lambda v: parse_budget(v, "fitfinder.vram")),
-        "ram": ("ram_bytes", lambda v: parse_budget(v, "fitfinder.ram")),
-        "margin": ("margin", lambda v: _in_range(v, 0.0, 0.9, "fitfinder.margin", float)),
-        "probe_steps": ("probe_steps", lambda v: _in_range(v, 1, 100000, "fitfinder.probe_steps", int)),
-        "probe_timeout": ("probe_timeout",
-                          lambda v: _in_range(v, 1, 86400, "fitfinder.probe_timeout", float)),
-        "trials": ("trials", lambda v: _in_range(v, 1, 100000, "fitfinder.trials", int)),
-        "weights": ("weights", _weights),
-        "candidates": ("candidates", _candidates),
-        "priorities": ("priorities", _priorities),
-        "trainer_command": ("trainer_command", _trainer_command),
-    }
-    for key, value in section.items():
-        if key not in readers:
-            problems.append(f"fitfinder.{one_line(key, 60)}: unknown key; known keys are {', '.join(readers)}")
-            continue
-        attribute, read = readers[key]
-        try:
-            setattr(settings, attribute, read(value))
-        except UserError as exc:
-            problems.append(str(exc))
-    return settings, problems
-
-
-def _in_range(value: Any, low: float, high: float, what: str, kind: type) -> Any:
-    expected = f"{what}: expected {'an integer' if kind is int else 'a number'}, got {brief(value)}"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise UserError(expected)
-    if not (math.isfinite(value) and low <= value <= high):  # NaN compares false with both
-        raise UserError(f"{what}: must be between {low} and {high}, got {brief(value)}")
-    if kind is int and value != int(value):
-        raise UserError(expected)
-    return kind(value)
-
-
-def _trainer_command(value: Any) -> str:
-    """The words are checked where the command is used (probe.trainer_command), with --trainer-command's."""
-    if not isinstance(value, str) or not value.strip():
-        raise UserError("fitfinder.trainer_command: expected the trainer's command line with {job}, "
-                        f"got {brief(value)}")
-    return value
-
-
-def _weights(value: Any) -> str:
-    if value not in ("random", "pretrained"):
-        raise UserError(f"fitfinder.weights: expected `random` or `pretrained`, got {brief(value)}")
-    return str(value)
-
-
-def _candidates(value: Any) -> dict[str, list]:
-    if not isinstance(value, dict):
-        raise UserError(f"fitfinder.candidates: expected a mapping of knob name to a list, got {brief(value)}")
-    out = {}
-    for name, values in value.items():
-        if name not in KNOB_NAMES:
-            raise UserError(f"fitfinder.candidates.{one_line(name, 60)}: unknown knob; "
-                            f"known knobs are {', '.join(KNOB_NAMES)}")
-        if not isinstance(values, list) or not values:
-            raise UserError(f"fitfinder.candidates.{name}: expected a non-empty list, got {brief(values)}")
-        out[str(name)] = _plain(values)
-    return out
-
-
-def _priorities(value: Any) -> list[str]:
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise UserError(f"fitfinder.priorities: expected a list of knob names, got {brief(value)}")
-    unknown = [v for v in value if v not in KNOB_NAMES]
-    if unknown:
-        raise UserError(f"fitfinder.priorities: unknown knob {brief(unknown[0])}; "
-                        f"known knobs are {', '.join(KNOB_NAMES)}")
-    return list(value)
-
-
 def _integers(low: int, high: int) -> str:
     return f"a positive integer (at most {high})" if low == 1 else f"an integer from {low} to {high}"
 
@@ -794,45 +636,6 @@ def _resolution_ok(value: Any) -> bool:
     if isinstance(value, list):
         return bool(value) and all(int_in(v, *PIXELS) for v in value)
     return int_in(value, *PIXELS)
-
-
-def brief(value: Any, room: int = 60) -> str:
-    """A value as an error message shows it: one line, at most `room` characters, and never
-    the work of printing all of a large value (an alias bomb prints as gigabytes)."""
-    text = _brief(value, 2)
-    return text if len(text) <= room else text[:room - 3] + "..."
-
-
-def _brief(value: Any, depth: int) -> str:
-    if value is None or isinstance(value, bool):
-        return repr(value)
-    if isinstance(value, int):
-        return repr(int(value))  # YAML refuses integers past 4300 digits
-    if isinstance(value, float):
-        return repr(float(value))
-    if isinstance(value, str):
-        return repr(str(value)[:80])
-    if isinstance(value, (list, tuple)):
-        if depth == 0:
-            return f"[{len(value)} items]"
-        inner = ", ".join(_brief(v, depth - 1) for v in list(value[:4]))
-        return f"[{inner}{', ...' if len(value) > 4 else ''}]"
-    if isinstance(value, dict):
-        if depth == 0:
-            return f"{{{len(value)} keys}}"
-        items = list(value.items())[:3]
-        inner = ", ".join(f"{_brief(k, 0)}: {_brief(v, depth - 1)}" for k, v in items)
-        return f"{{{inner}{', ...' if len(value) > 3 else ''}}}"
-    return f"a {type(value).__name__}"
-
-
-def one_line(text: Any, room: int = 200) -> str:
-    """User text as one line of a comment or message: control characters (newlines, NUL, escape
-    sequences) shown escaped, at most `room` characters."""
-    text = str(text)[:room * 2]
-    shown = "".join(ch if ch.isprintable() or ch == " " else ascii(ch)[1:-1] for ch in text)
-    return shown if len(shown) <= room else shown[:room - 3] + "..."
-
 
 # -- YAML plumbing -----------------------------------------------------------------------------
 def _yaml():
