@@ -9,8 +9,13 @@
    `host_rss`) should be what it held at the start plus both sides' tensors at their joint peak
    (`both_tensors`); the table prints both and their difference, per phase, for the tests' tiny
    Wan 2.2 job as written, with low_vram and with layer offloading.
+3. How far apart a budget must set two points (tests/test_host.py): the load's host peak of the same
+   tiny probe with all its layers offloaded and with none, each probed several times by
+   `fitfinder probe` in its own process, for the tiny FLUX.2 and the tiny Wan 2.2, started as
+   `python -m fitfinder` and as the `fitfinder` command: the spread of one point's peak from one
+   process to the next, and between launchers, against the gap between the two points.
 
-    python benchmarks/host_peaks.py [--only estimates|sim] [--json PATH]
+    python benchmarks/host_peaks.py [--only estimates|sim|spread] [--repeats N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -117,19 +122,66 @@ def print_sim(rows: list[dict]) -> None:
           "joint peak; measured: VmHWM in the phase (after clear_refs), children included")
 
 
+LAUNCHERS = {"python -m fitfinder": [sys.executable, "-m", "fitfinder"], "fitfinder": ["fitfinder"]}
+
+
+def spread(repeats: int) -> list[dict]:
+    """`fitfinder probe FILE --json` of each point `repeats` times, each its own process, by each launcher."""
+    from tests.conftest import tiny_job
+
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for family in ("flux2", "wan22"):
+            for launcher, command in LAUNCHERS.items():
+                peaks = {}
+                for share, changes in ((1.0, OFFLOADED), (0.0, {"model.layer_offloading": False})):
+                    path = Path(folder) / f"{family}_{share:.0f}.yaml"
+                    path.write_text(tiny_job(family, changes).dumps() + "fitfinder: {weights: random}\n")
+                    peaks[share] = [_probe_load_peak(command, path) for _ in range(repeats)]
+                rows.append({"family": family, "launcher": launcher, "offloaded": peaks[1.0],
+                             "not_offloaded": peaks[0.0]})
+    return rows
+
+
+def _probe_load_peak(command: list[str], path: Path) -> int:
+    done = subprocess.run([*command, "probe", str(path), "--json", "--steps", "1"], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    if done.returncode != 0:
+        raise SystemExit(f"{path.name}: exit {done.returncode}\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout)["host_phases"]["load"]
+
+
+def print_spread(rows: list[dict]) -> None:
+    print("| tiny model | launcher | load peak, 100% offloaded (min - max) | no offloading (min - max) "
+          "| spread (larger) | gap (min offloaded - max not) |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        on, off = row["offloaded"], row["not_offloaded"]
+        wide = max(max(on) - min(on), max(off) - min(off))
+        print(f"| {row['family']} | `{row['launcher']}` | {min(on):,} - {max(on):,} | {min(off):,} - {max(off):,} "
+              f"| {wide:,} | {min(on) - max(off):,} |")
+    print(f"\nbytes; each point probed {len(rows[0]['offloaded'])} times by `fitfinder probe FILE --json --steps 1`, "
+          "each its own process (the load phase's host peak: the process at its start plus host tensors)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("estimates", "sim"))
+    parser.add_argument("--only", choices=("estimates", "sim", "spread"))
+    parser.add_argument("--repeats", type=int, default=3, help="probes of each point for the spread table")
     parser.add_argument("--json", type=Path, help="write the rows here too")
     options = parser.parse_args()
     out = {}
-    if options.only != "sim":
+    if options.only in (None, "estimates"):
         out["estimates"] = estimates()
         print_estimates(out["estimates"])
         print()
-    if options.only != "estimates":
+    if options.only in (None, "sim"):
         out["sim"] = sim_against_rss()
         print_sim(out["sim"])
+        print()
+    if options.only in (None, "spread"):
+        out["spread"] = spread(options.repeats)
+        print_spread(out["spread"])
     if options.json:
         options.json.write_text(json.dumps(out, indent=1) + "\n")
 

@@ -108,3 +108,28 @@ def test_step_timing_takes_medians_per_shape_so_one_slow_step_moves_nothing():
     assert seconds == 1.5 and noise == 0.0
     jittery = [t * (1.1 if i % 2 else 0.9) for i, t in enumerate(quiet)]
     assert probe.step_timing(schedule, jittery)[1] == pytest.approx(0.1, abs=0.01)
+
+
+@pytest.mark.slow
+def test_a_probe_started_by_the_fitfinder_command_holds_no_more_than_one_started_by_python_m(tmp_path):
+    """Each probe process imports the script that started fitfinder (multiprocessing's `__mp_main__`).
+    The `fitfinder` command's script, as pip writes it for the console-script entry point, imported
+    fitfinder.cli, and with it typer and rich: 2.6 MB more in each probe at load than under
+    `python -m fitfinder` (benchmarks/host_peaks.py --only spread), which a --ram budget counts."""
+    from importlib.metadata import entry_points
+
+    entry = entry_points(group="console_scripts")["fitfinder"]
+    script = tmp_path / "fitfinder"  # what pip writes for the entry point (`pip install` puts it on PATH)
+    script.write_text(f"import sys\nfrom {entry.module} import {entry.attr}\n"
+                      f"if __name__ == '__main__':\n    sys.exit({entry.attr}())\n")
+
+    def load_peak(*command: str) -> int:
+        done = subprocess.run([*command, "probe", str(DEMO), "--json", "--steps", "1", "--vram", "1GiB"],
+                              capture_output=True,
+                              text=True, env=cli_env(), timeout=300, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)["host_phases"]["load"]
+
+    by_module = load_peak(sys.executable, "-m", "fitfinder")
+    by_command = load_peak(sys.executable, str(script))
+    assert abs(by_command - by_module) < 1.5 * MiB, (by_command, by_module)

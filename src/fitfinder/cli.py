@@ -27,7 +27,9 @@ app = typer.Typer(
          "limit: it may run out), does not fit.",
 )
 
-JobArg = typer.Argument(..., help="AI Toolkit job file (YAML); it is never written to.", show_default=False)
+JobArg = typer.Argument(..., help="The job: an AI Toolkit job file (YAML), a shell file with an sd-scripts or "
+                        "musubi-tuner command line, or a kohya --config_file TOML; it is never written to.",
+                        show_default=False)
 GpuOpt = typer.Option(None, "--gpu", help="Measure on this CUDA device (index); without it, the sim meter on "
                                            "the CPU (for tiny models: `estimate` predicts full-size ones).")
 VramOpt = typer.Option(None, "--vram", help="Memory budget, e.g. 24GiB (overrides `fitfinder: vram`).")
