@@ -51,8 +51,10 @@ def recipe_digest() -> str:
     """A digest of the code and data that decide what a probe holds (probe/, models/, the
     architectures, the optimizers): a study made by another recipe may not answer for this one."""
     root = Path(__file__).resolve().parent.parent
+    # The export writes a search's winner as a kohya job after it; no probe reads it.
+    export = root / "trainers" / "aitoolkit_to_kohya.py"
     files = sorted([*root.glob("probe/*.py"), *root.glob("models/*.py"), *root.glob("archs/*.json"),
-                    *root.glob("trainers/*.py"), root / "optimizers.py"])
+                    *(path for path in root.glob("trainers/*.py") if path != export), root / "optimizers.py"])
     digest = hashlib.sha256()
     for path in files:
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")

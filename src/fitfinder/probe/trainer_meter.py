@@ -233,22 +233,12 @@ def _count_modules(meter: SimMeter) -> None:
 
 
 def _note_sim_ooms(meter: SimMeter, watcher: TrainerMeter) -> None:
-    """Record every simulated OOM as it is raised (the trainer may catch it)."""
-    tracker, add = meter.tracker, meter.tracker.add
-    depth = [0]  # a quantized weight's inner tensors are added from inside add: note the failure once
+    """Record every simulated device OOM as it is raised (the trainer may catch it)."""
+    def note(error: BaseException) -> None:
+        if isinstance(error, torch.OutOfMemoryError):
+            watcher.note_oom(str(error))
 
-    def add_and_note(tensor):
-        depth[0] += 1
-        try:
-            add(tensor)
-        except torch.OutOfMemoryError as exc:
-            if depth[0] == 1:
-                watcher.note_oom(str(exc))
-            raise
-        finally:
-            depth[0] -= 1
-
-    tracker.add = add_and_note
+    meter.tracker.on_out_of_memory = note
 
 
 def _nvml_bytes(meter) -> int | None:

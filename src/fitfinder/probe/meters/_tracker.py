@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import (
@@ -108,6 +108,9 @@ class StorageTracker(TorchDispatchMode):
         # The first out-of-memory error raised, on either side: a library may catch it and raise
         # another in its place (safetensors' loader does), and the probe must still read an OOM.
         self.ran_out: BaseException | None = None
+        # Called with each out-of-memory error as it is raised, caught later or not (the trainer
+        # meter's record of every OOM a trainer survives).
+        self.on_out_of_memory: Callable[[BaseException], None] | None = None
 
     @contextmanager
     def owning(self, owner: str) -> Iterator[None]:
@@ -206,6 +209,8 @@ class StorageTracker(TorchDispatchMode):
     def _ran_out(self, error: BaseException) -> BaseException:
         if self.ran_out is None:  # a copy, never raised: a raised error's traceback would pin the tensors of its frames
             self.ran_out = type(error)(*error.args)
+        if self.on_out_of_memory is not None:
+            self.on_out_of_memory(error)
         return error
 
     def to_host(self, tensor: torch.Tensor, pinned: bool = False) -> None:
